@@ -1,0 +1,10 @@
+"""flashqla: Gated DeltaNet kernels for Hopper, re-derived step by step in Python and TileLang.
+
+``flashqla.chunk_gated_delta_rule`` is a drop-in for FLA's function of the same name. Importing
+this package never touches a GPU and never imports TileLang.
+"""
+
+from flashqla.api import chunk_gated_delta_rule
+
+__version__ = "0.1.0"
+__all__ = ["chunk_gated_delta_rule", "__version__"]

@@ -1,0 +1,37 @@
+"""Building TileLang kernels for Hopper. Compiling needs only nvcc; running needs an SM90 GPU.
+
+TileLang reads kernel source with ``inspect.getsource``: define kernels in files (or notebook
+cells), never through ``exec`` of a string. Compiled kernels are cached on disk
+(``~/.tilelang/cache``), so only the first call of a shape pays the 5-40 s compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def compile_hopper(prim_func, out_idx=None):
+    """Lower and build a ``T.prim_func`` for sm_90a; works on a machine without a GPU."""
+    import tilelang  # imported here: importing flashqla must not pull in TileLang
+
+    return tilelang.compile(prim_func, out_idx=out_idx, target=HOPPER_TARGET)
+
+
+def hopper_cuda_source(prim_func) -> str:
+    """The CUDA C++ that TileLang generates for sm_90a (wgmma, TMA and barriers show up here)."""
+    return compile_hopper(prim_func).get_kernel_source()
+
+
+@functools.cache
+def hopper_gpu_missing() -> str | None:
+    """None when an SM90 GPU is usable here, otherwise why not (for skip messages and the tour)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"needs an SM90 (Hopper) GPU; this one is sm_{major}{minor}"
+    return None

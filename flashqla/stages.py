@@ -1,0 +1,103 @@
+"""The workbench contract: how tests, the tour and the benchmark find and run kernel stages.
+
+A stage is one frozen file ``kernels/<op>/sNN_<what_changed>.py`` in a checkout. It defines
+
+    NEEDS                  tuple of what it needs to run: "cuda", "hopper" (an SM90 GPU), or the
+                           name of an importable package (e.g. "fla")
+    run(...)               same arguments and outputs as the op's reference, ``OPS[op][0]``
+    kernel_source()        (TileLang stages) the CUDA C++ it generates for sm_90a, built on any machine
+    SOURCE_MUST_CONTAIN    (TileLang stages) strings that source must contain: the instructions
+                           the stage is about, e.g. ("wgmma",)
+
+The installed library never imports ``kernels``: ``discover`` loads the stage files by path from
+the checkout this package lives in, so the dependency points one way (kernels -> flashqla).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashqla import reference
+from flashqla.hopper import hopper_gpu_missing
+
+# op name (a folder under kernels/) -> (the reference that defines what its stages compute,
+#                                        the names of its outputs)
+OPS = {
+    "gdn_fwd": (reference.chunk_gated_delta_rule_ref, ("o", "final_state")),
+    "chunk_local_cumsum": (reference.chunk_local_cumsum, ("g_cum",)),
+    "chunk_kkt": (reference.chunk_kkt, ("A",)),
+    "kkt_solve": (reference.kkt_solve, ("Ai",)),
+    "chunk_w_u": (reference.chunk_w_u, ("w", "u")),
+    "chunk_h": (reference.chunk_h, ("h", "v_new", "final_state")),
+    "chunk_o": (reference.chunk_o, ("o",)),
+}
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+_STAGE_FILE = re.compile(r"s(\d\d)_(\w+)\.py")
+
+
+@dataclass(frozen=True)
+class Stage:
+    op: str
+    number: int
+    path: Path
+
+    @property
+    def id(self) -> str:
+        """e.g. "chunk_kkt.s01" (also the NVTX range prefix)."""
+        return f"{self.op}.s{self.number:02d}"
+
+    @property
+    def name(self) -> str:
+        """e.g. "chunk_kkt/s01_wgmma"."""
+        return f"{self.op}/{self.path.stem}"
+
+    @property
+    def reference(self):
+        return OPS[self.op][0]
+
+    @property
+    def module(self):
+        mod_name = f"kernels.{self.op}.{self.path.stem}"
+        if mod_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(mod_name, self.path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module  # before exec: inspect.getsource (TileLang) looks it up
+            spec.loader.exec_module(module)
+        return sys.modules[mod_name]
+
+    def missing(self) -> str | None:
+        """None when this machine can run the stage, otherwise why not."""
+        for need in self.module.NEEDS:
+            if need == "cuda" and not torch.cuda.is_available():
+                return "no CUDA GPU on this machine"
+            if need == "hopper" and hopper_gpu_missing():
+                return hopper_gpu_missing()
+            if need not in ("cuda", "hopper") and importlib.util.find_spec(need) is None:
+                return f"needs the `{need}` package"
+        return None
+
+
+def discover(kernels_dir: Path = KERNELS_DIR) -> list[Stage]:
+    """Every stage file under kernels_dir, ordered by op then number. Empty outside a checkout."""
+    stages = []
+    for path in sorted(kernels_dir.glob("*/s[0-9][0-9]_*.py")):
+        op = path.parent.name
+        if op not in OPS:
+            raise ValueError(f"stage {path}: its folder `{op}` is not an op in flashqla.stages.OPS")
+        stages.append(Stage(op, int(_STAGE_FILE.fullmatch(path.name).group(1)), path))
+    return sorted(stages, key=lambda s: (s.op, s.number))
+
+
+def get(stage_id: str, kernels_dir: Path = KERNELS_DIR) -> Stage:
+    """The stage with this id, e.g. get("chunk_kkt.s01")."""
+    for stage in discover(kernels_dir):
+        if stage.id == stage_id:
+            return stage
+    raise KeyError(f"no stage `{stage_id}` under {kernels_dir}")

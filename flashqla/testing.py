@@ -1,0 +1,190 @@
+"""Problems, and the one check that every kernel stage must pass.
+
+The tolerance is derived, not guessed. For each output,
+
+    err       = ||out - ref64|| / ||ref64||     the stage against the float64 reference
+    err_bf16  = ||bf16 - ref64|| / ||ref64||    the same reference math run in bf16 PyTorch on the
+                                                same inputs (every tensor and intermediate in bf16)
+    bound     = TOLERANCE_FACTOR * max(err_bf16, ROUNDING_FLOOR)
+
+and the check asserts err <= bound. A kernel that keeps bf16 operands but accumulates in fp32
+should land well inside the bf16 PyTorch error; a factor of 2 leaves room for a different
+summation order without admitting structural bugs, which give errors of order 1 (tests show that
+dropped chunks, missing decays and transposed states all fail it). ROUNDING_FLOOR is half a bf16
+ulp, the error of merely storing a value in bf16, for outputs whose bf16 error happens to vanish.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashqla import reference
+from flashqla.stages import OPS
+
+TOLERANCE_FACTOR = 2.0
+ROUNDING_FLOOR = 2.0 ** -9
+
+# (H, HV) of the Qwen3.5 GDN layers at TP1..TP8 that the kernels are tested and timed on
+PUBLIC_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16))
+
+# The dtype a kernel receives for each named input (FLA's choices): activations and the WY
+# outputs in bf16, gates, A, states in fp32.
+_BF16_INPUTS = {"q", "k", "v", "w", "u", "v_new", "Ai"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One test or benchmark problem: heads, sequence lengths, head dims.
+
+    ``varlen`` packs the sequences along T with cu_seqlens (B = 1); otherwise all lengths must be
+    equal and they form a batch. Value head j has g = 0 when j % 4 == 0 (a quarter of the heads,
+    as in the models), strong decay (g about -2 per token) when j % 4 == 1, and ordinary decay
+    (about -0.15) otherwise.
+    """
+
+    H: int
+    HV: int
+    lengths: tuple[int, ...]
+    varlen: bool = True
+    K: int = 128
+    V: int = 128
+    initial_state: bool = True
+
+    def __post_init__(self):
+        if not self.varlen and len(set(self.lengths)) != 1:
+            raise ValueError(f"Problem: `lengths` must be equal without varlen; got {self.lengths}")
+
+    @property
+    def label(self) -> str:
+        if self.varlen and len(self.lengths) > 1:
+            seqs = "+".join(str(n) for n in self.lengths)
+        else:
+            seqs = f"{len(self.lengths)}x{self.lengths[0]}"
+        return f"({self.H}, {self.HV}) {seqs}" + ("" if self.initial_state else " h0=None")
+
+    def inputs(self, device="cpu", seed: int = 0) -> dict:
+        """Keyword arguments for ``chunk_gated_delta_rule`` (and the gdn_fwd op), in kernel dtypes."""
+        gen = torch.Generator().manual_seed(seed)
+        B, T = (1, sum(self.lengths)) if self.varlen else (len(self.lengths), self.lengths[0])
+        N = len(self.lengths)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        q = reference.l2norm(randn(B, T, self.H, self.K))
+        k = reference.l2norm(randn(B, T, self.H, self.K))
+        v = randn(B, T, self.HV, self.V)
+        kind = torch.arange(self.HV) % 4
+        g = torch.where(kind == 1, F.logsigmoid(randn(B, T, self.HV) - 2.0),
+                        F.logsigmoid(randn(B, T, self.HV) + 2.0))
+        g = torch.where(kind == 0, torch.zeros_like(g), g)
+        beta = torch.sigmoid(randn(B, T, self.HV))
+        h0 = randn(N, self.HV, self.K, self.V) if self.initial_state else None
+        cu = None
+        if self.varlen:
+            cu = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int32, device=device)
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        fp32 = dict(dtype=torch.float32, device=device)
+        return dict(q=q.to(**bf16), k=k.to(**bf16), v=v.to(**bf16), g=g.to(**fp32),
+                    beta=beta.to(**fp32), scale=None,
+                    initial_state=None if h0 is None else h0.to(**fp32),
+                    output_final_state=True, cu_seqlens=cu)
+
+
+def cast_floats(inputs: dict, dtype: torch.dtype) -> dict:
+    """Every floating tensor in ``inputs`` cast to dtype; integers and other values untouched."""
+    return {name: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for name, x in inputs.items()}
+
+
+def op_inputs(op: str, inputs: dict) -> dict:
+    """The inputs of sub-step ``op`` for a gdn_fwd problem, as a kernel of that step receives them.
+
+    Upstream intermediates come from the float64 reference, then are cast to the kernel's dtypes
+    (bf16 for activations and the WY outputs, fp32 for gates, A and states).
+    """
+    if op == "gdn_fwd":
+        return dict(inputs)
+    x = cast_floats(inputs, torch.float64)
+    cu = x["cu_seqlens"]
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    named = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, scale=x["scale"],
+                 initial_state=x["initial_state"], output_final_state=x["output_final_state"])
+    named["g_cum"] = reference.chunk_local_cumsum(g, cu)
+    named["A"] = reference.chunk_kkt(k, named["g_cum"], beta, cu)
+    named["Ai"] = reference.kkt_solve(named["A"], cu)
+    named["w"], named["u"] = reference.chunk_w_u(k, v, beta, named["Ai"], named["g_cum"], cu)
+    named["h"], named["v_new"], _ = reference.chunk_h(k, named["w"], named["u"], named["g_cum"],
+                                                      named["initial_state"], False, cu)
+    fn = OPS[op][0]
+    params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    out = {}
+    for name in params:
+        if name == "chunk_size":
+            continue
+        val = named[name]
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            val = val.to(torch.bfloat16 if name in _BF16_INPUTS else torch.float32)
+        out[name] = val
+    return out
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64; inf when x holds NaN or inf."""
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    output: str
+    err: float
+    err_bf16: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.bound
+
+
+def check_op(op: str, fn, inputs: dict, factor: float = TOLERANCE_FACTOR) -> list[OutputCheck]:
+    """Run ``fn(**inputs)`` and assert every output is within the derived bound of the float64 reference.
+
+    Raises AssertionError listing each output's error and bound; returns the checks on success.
+    """
+    ref_fn, names = OPS[op]
+    want = _as_tuple(ref_fn(**cast_floats(inputs, torch.float64)))
+    bf16 = _as_tuple(ref_fn(**cast_floats(inputs, torch.bfloat16)))
+    got = _as_tuple(fn(**inputs))
+    if len(got) != len(want):
+        raise AssertionError(f"{op}: expected {len(want)} outputs {names}, got {len(got)}")
+    checks = []
+    for name, g_, w_, b_ in zip(names, got, want, bf16):
+        if w_ is None:
+            if g_ is not None:
+                raise AssertionError(f"{op}: output `{name}` should be None")
+            continue
+        if g_ is None or tuple(g_.shape) != tuple(w_.shape):
+            raise AssertionError(f"{op}: output `{name}` has shape "
+                                 f"{None if g_ is None else tuple(g_.shape)}, expected {tuple(w_.shape)}")
+        base = rel_l2(b_, w_)
+        checks.append(OutputCheck(name, rel_l2(g_, w_), base, factor * max(base, ROUNDING_FLOOR)))
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        lines = [f"  {c.output}: rel L2 err {c.err:.3e} > bound {c.bound:.3e} "
+                 f"(= {factor} x max(bf16 PyTorch err {c.err_bf16:.3e}, {ROUNDING_FLOOR:.2e}))"
+                 for c in bad]
+        raise AssertionError(f"{op}: wrong answer\n" + "\n".join(lines))
+    return checks
