@@ -1,0 +1,147 @@
+"""flashqla.chunk_gated_delta_rule: results, autograd, layouts, and a clear error for every bad input."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import flashqla
+from flashqla import reference as ref
+from flashqla.testing import Problem, cast_floats, check_op, rel_l2
+
+F64 = torch.float64
+api = flashqla.chunk_gated_delta_rule
+
+
+@pytest.mark.parametrize("problem", [Problem(2, 8, (100, 1, 64, 37), K=32, V=64),
+                                     Problem(4, 4, (90, 90), varlen=False, K=16, V=16,
+                                             initial_state=False)], ids=lambda p: p.label)
+def test_api_within_derived_tolerance(problem):
+    checks = check_op("gdn_fwd", api, problem.inputs())
+    assert {c.output for c in checks} == {"o", "final_state"}
+
+
+def test_output_dtypes_and_shapes():
+    x = Problem(2, 4, (70,), K=16, V=8).inputs()
+    o, s = api(**x)
+    assert o.dtype == torch.bfloat16 and o.shape == (1, 70, 4, 8)
+    assert s.dtype == torch.float32 and s.shape == (1, 4, 16, 8)
+    assert api(**{**x, "output_final_state": False})[1] is None
+
+
+def test_qk_l2norm_in_kernel():
+    x = cast_floats(Problem(1, 2, (80,), K=16, V=16).inputs(), F64)
+    q_raw, k_raw = 3.0 * x["q"], 0.5 * x["k"]
+    o, s = api(**{**x, "q": q_raw, "k": k_raw}, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = ref.chunk_gated_delta_rule_ref(
+        **{**x, "q": ref.l2norm(q_raw), "k": ref.l2norm(k_raw)})
+    assert rel_l2(o, o_ref) < 1e-12 and rel_l2(s, s_ref) < 1e-12
+
+
+def test_scale_and_non_contiguous_inputs():
+    x = cast_floats(Problem(2, 2, (50,), K=8, V=8).inputs(), F64)
+    o_ref, _ = ref.naive_recurrent_gated_delta_rule(**{**x, "scale": 0.3})
+    # the same values behind transposed strides
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x["q"], x["k"], x["v"]))
+    g, beta = (t.transpose(0, 2).contiguous().transpose(0, 2) for t in (x["g"], x["beta"]))
+    assert not q.is_contiguous() and not g.is_contiguous()
+    o, _ = api(**{**x, "q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": 0.3})
+    assert rel_l2(o, o_ref) < 1e-12
+
+
+def test_batch_equals_packed_varlen():
+    xb = cast_floats(Problem(2, 4, (77, 77), varlen=False, K=8, V=8).inputs(), F64)
+    cu = torch.tensor([0, 77, 154])
+    packed = {**xb, "cu_seqlens": cu, **{n: xb[n].reshape(1, 154, *xb[n].shape[2:])
+                                          for n in ("q", "k", "v", "g", "beta")}}
+    ob, sb = api(**xb)
+    ov, sv = api(**packed)
+    assert rel_l2(ov.reshape(ob.shape), ob) < 1e-14 and rel_l2(sv, sb) < 1e-14
+
+
+def test_autograd_reaches_every_input_in_float64():
+    x = cast_floats(Problem(1, 2, (1, 70, 9), K=4, V=4).inputs(), F64)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = [x[n].clone().requires_grad_() for n in names]
+
+    def f(*ts):
+        o, s = api(**{**x, **dict(zip(names, ts))})
+        return o, s
+
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def test_nan_stays_in_its_sequence_and_chunk_onward():
+    """The documented NaN behaviour: its chunk and the rest of its sequence, nothing else."""
+    x = Problem(1, 2, (150, 40), K=8, V=8).inputs()
+    x["v"] = x["v"].clone()
+    x["v"][0, 100, 1] = float("nan")                  # sequence 0, chunk 1 (tokens 64..127), head 1
+    o, s = api(**x)
+    assert torch.isfinite(o[0, :64]).all()            # earlier chunk untouched
+    assert torch.isnan(o[0, 64:150, 1]).all()         # its chunk (earlier tokens too) and later ones
+    assert torch.isfinite(o[0, :, 0]).all()           # the other head group is untouched
+    assert torch.isfinite(o[0, 150:]).all() and torch.isfinite(s[1]).all()   # the other sequence
+    assert torch.isnan(s[0, 1]).all()
+
+
+# ---- every bad input gets a ValueError naming the argument and what was expected ----
+
+def _bad(**change):
+    x = Problem(2, 4, (64, 30), K=16, V=16).inputs()
+    x.update(change)
+    return x
+
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+BAD_INPUTS = {
+    "k shape differs from q": (dict(k=_t(1, 94, 2, 8)), "`k` must be the shape of q"),
+    "v batch/time differ": (dict(v=_t(1, 93, 4, 16)), "`v` must be [B, T, HV, V]"),
+    "HV not a multiple of H": (dict(v=_t(1, 94, 3, 16), g=_t(1, 94, 3, dtype=torch.float32),
+                                    beta=_t(1, 94, 3, dtype=torch.float32)),
+                               "multiple of the H = 2 heads"),
+    "g shape": (dict(g=_t(1, 94, 2, dtype=torch.float32)), "`g` must be [B, T, HV]"),
+    "beta shape": (dict(beta=_t(1, 94, dtype=torch.float32)), "`beta` must be 3-D"),
+    "q not 4-D": (dict(q=_t(94, 2, 16)), "`q` must be 4-D"),
+    "integer q": (dict(q=torch.ones(1, 94, 2, 16, dtype=torch.int32)), "`q` must be one of"),
+    "float8 v": (dict(v=_t(1, 94, 4, 16).to(torch.float8_e4m3fn)), "`v` must be one of"),
+    "mixed q/k/v dtypes": (dict(k=_t(1, 94, 2, 16, dtype=torch.float16)), "`k and v` must be the dtype of q"),
+    "g not a tensor": (dict(g=0.5), "`g` must be a torch.Tensor"),
+    "integer beta": (dict(beta=torch.ones(1, 94, 4, dtype=torch.int64)), "`beta` must be one of"),
+    "zero head dim": (dict(q=_t(1, 94, 2, 0), k=_t(1, 94, 2, 0)), "non-empty head dimensions"),
+    "scale is a tensor": (dict(scale=torch.tensor(0.1)), "`scale` must be None or a finite"),
+    "scale is NaN": (dict(scale=math.nan), "`scale` must be None or a finite"),
+    "cu_seqlens float": (dict(cu_seqlens=torch.tensor([0.0, 64.0, 94.0])), "`cu_seqlens` must be an int32 or int64"),
+    "cu_seqlens list": (dict(cu_seqlens=[0, 64, 94]), "`cu_seqlens` must be an int32 or int64"),
+    "cu_seqlens 2-D": (dict(cu_seqlens=torch.tensor([[0, 64, 94]])), "`cu_seqlens` must be 1-D"),
+    "cu_seqlens not from 0": (dict(cu_seqlens=torch.tensor([1, 64, 94])), "`cu_seqlens` must be starting at 0"),
+    "cu_seqlens decreasing": (dict(cu_seqlens=torch.tensor([0, 70, 64, 94]),
+                                   initial_state=None), "`cu_seqlens` must be non-decreasing"),
+    "cu_seqlens not ending at T": (dict(cu_seqlens=torch.tensor([0, 64, 90])), "`cu_seqlens` must be ending at T = 94"),
+    "initial_state count": (dict(initial_state=torch.zeros(3, 4, 16, 16)), "`initial_state` must be [N, HV, K, V] = (2, 4, 16, 16)"),
+    "initial_state shape": (dict(initial_state=torch.zeros(2, 4, 16, 8)), "`initial_state` must be [N, HV, K, V]"),
+    "initial_state bf16": (dict(initial_state=torch.zeros(2, 4, 16, 16, dtype=torch.bfloat16)),
+                           "`initial_state` must be one of torch.float32, torch.float64"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_named(case):
+    change, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        api(**_bad(**change))
+
+
+def test_cu_seqlens_with_batch_above_one():
+    x = Problem(2, 4, (30, 30), varlen=False, K=8, V=8, initial_state=False).inputs()
+    with pytest.raises(ValueError, match=re.escape("`q` must be batch size 1 when cu_seqlens is given")):
+        api(**{**x, "cu_seqlens": torch.tensor([0, 10, 30])})
+
+
+def test_mixed_devices():
+    x = _bad()
+    with pytest.raises(ValueError, match=re.escape("must be on one device")):
+        api(**{**x, "v": x["v"].to("meta")})
