@@ -1,0 +1,21 @@
+"""Every chapter runs top to bottom on this machine (CPU is enough), as a learner would run it."""
+
+from pathlib import Path
+
+import jupytext
+import nbclient
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def test_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS][:2] == ["01_recurrence.py", "02_chunked_form.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path):
+    nb = jupytext.read(path)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
