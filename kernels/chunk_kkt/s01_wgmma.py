@@ -110,7 +110,7 @@ def kernel_source() -> str:
 
 
 def prepare_chunk_bounds(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
-                 chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+                         chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """int32 [num_chunks, 2]: [start, end) over the packed tokens of every chunk, sequence by sequence.
 
     Without cu_seqlens the batch is ``batch`` sequences of ``seqlen`` tokens packed back to back.
