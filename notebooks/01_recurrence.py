@@ -75,7 +75,7 @@ f64 = torch.float64
 # | tensor | shape | notes |
 # |---|---|---|
 # | `q`, `k` | `[B, T, H, K]` | usually bf16, L2-normalized over $K$ (by the caller, or `use_qk_l2norm_in_kernel=True`) |
-# | `v` | `[B, T, HV, V]` | $HV$ value heads, a multiple of $H$ |
+# | `v` | `[B, T, HV, V]` | $H_V$ value heads, a multiple of $H$ |
 # | `g` | `[B, T, HV]` | log decay, $g \le 0$ (fp32); the multiplier is $e^{g}$ |
 # | `beta` | `[B, T, HV]` | step size in $(0, 1)$, typically a sigmoid (fp32) |
 # | `initial_state`, final state | `[N, HV, K, V]` | fp32, one $K \times V$ matrix per (sequence, value head) |
@@ -83,13 +83,14 @@ f64 = torch.float64
 # | `o` | `[B, T, HV, V]` | in the dtype of `v` |
 #
 # *GVA* (grouped value attention): there are fewer query/key heads than value heads, and value head
-# $i$ reads query/key head $i \,/\!/\, (HV/H)$. The reference implements that by repeating heads:
+# $i$ reads query/key head $\lfloor i / (H_V / H) \rfloor$. The reference implements that by repeating
+# heads:
 
 # %%
 print(inspect.getsource(reference.expand_heads))
 
 # %% [markdown]
-# In the Qwen3.5 models $K = V = 128$ and $(H, HV)$ is for example $(16, 32)$ or $(16, 64)$ before
+# In the Qwen3.5 models $K = V = 128$ and $(H, H_V)$ is for example $(16, 32)$ or $(16, 64)$ before
 # tensor parallelism divides both. The examples below use $K = V = 16$ so that they run instantly.
 
 # %% [markdown]
@@ -167,8 +168,9 @@ print(inspect.getsource(reference.expand_heads))
 print(inspect.getsource(reference.naive_recurrent_gated_delta_rule))
 
 # %% [markdown]
-# A small example: one sequence of $T = 200$ tokens, $H = 1$ query/key head shared by $HV = 2$ value
-# heads. Head 0 decays ($g_t = \log \sigma(x_t + 2)$, about $-0.15$ per token); head 1 has $g = 0$.
+# A small example: one sequence of $T = 200$ tokens, $H = 1$ query/key head shared by $H_V = 2$ value
+# heads. Head 0 decays ($g_t = \log \sigma(x_t + 2)$ with $x_t$ standard normal, about $-0.2$ per
+# token); head 1 has $g = 0$.
 # Keys and queries are unit vectors, as in the models.
 
 # %%
@@ -256,7 +258,7 @@ for head, ax in enumerate(axes):
     ax.set_title(f"o, head {head}" + (" (g = 0)" if head == 1 else " (decay)"))
     ax.set_xlabel("token t")
 axes[0].set_ylabel("value channel")
-fig.colorbar(im, ax=axes)
+fig.colorbar(im, ax=axes, shrink=0.9);
 
 # %% [markdown]
 # ## The delta rule overwrites
@@ -316,7 +318,7 @@ e1 = torch.zeros(K, dtype=f64); e1[0] = 1.0
 others = torch.randn(Tm, K, dtype=f64); others[:, 0] = 0.0      # orthogonal to e1
 keys_m = reference.l2norm(others); keys_m[0] = e1                 # token 0 writes at e1
 vals_m = torch.randn(Tm, V, dtype=f64)
-g_m = F.logsigmoid(torch.randn(Tm, dtype=f64) + 3.0)             # about -0.05 per token
+g_m = F.logsigmoid(torch.randn(Tm, dtype=f64) + 3.0)             # about -0.07 per token
 beta_m = torch.sigmoid(torch.randn(Tm, dtype=f64)); beta_m[0] = 1.0
 
 o_m, _ = reference.naive_recurrent_gated_delta_rule(
@@ -390,8 +392,9 @@ assert err_o < 1e-14 and err_h < 1e-14, (err_o, err_h)
 # %% [markdown]
 # ## The public API
 #
-# `flashqla.chunk_gated_delta_rule` has FLA's signature. On a machine without a promoted GPU kernel
-# it runs the chunked reference of the next chapter in float32 (float64 for float64 inputs):
+# `flashqla.chunk_gated_delta_rule` has FLA's signature. Until a GPU kernel is promoted into it, it
+# runs the chunked reference of the next chapter in float32 (float64 for float64 inputs) on the
+# inputs' device:
 
 # %%
 print(inspect.getsource(flashqla.chunk_gated_delta_rule))
@@ -479,13 +482,15 @@ def time_naive(Tn, reps=3):
         best = min(best, time.perf_counter() - t0)
     return best
 
-lengths = [32, 64, 128, 256, 512]
+lengths = [64, 128, 256, 512, 1024]
 times = [time_naive(n) for n in lengths]
-per_step = [t / n * 1e6 for t, n in zip(times, lengths)]
-print("microseconds per token:", [f"{x:.0f}" for x in per_step])
+per_step = sorted(t / n for t, n in zip(times, lengths))[len(lengths) // 2]   # median time per token
+print("microseconds per token:", [f"{t / n * 1e6:.0f}" for t, n in zip(times, lengths)])
 
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(lengths, [t * 1e3 for t in times], "o-")
+ax.plot(lengths, [t * 1e3 for t in times], "o", label="measured")
+ax.plot(lengths, [n * per_step * 1e3 for n in lengths], "k--", lw=1, label="T x median time per token")
+ax.legend()
 ax.set_xlabel("sequence length T")
 ax.set_ylabel("ms (best of 3)")
 ax.set_title("Naive recurrence on CPU: time grows linearly in T")
@@ -494,7 +499,7 @@ fig.tight_layout()
 # %% [markdown]
 # The per-token time is roughly constant: the loop is dominated by per-step overhead, not by the
 # $7KV$ FLOPs of a step. A GPU has the same problem at a larger scale. An H100 has 132 SMs; a layer
-# with $HV = 32$ value heads and one long sequence offers 32 independent chains. The $V$ columns of a
+# with $H_V = 32$ value heads and one long sequence offers 32 independent chains. The $V$ columns of a
 # state evolve independently, so a kernel can split a chain over a few SMs, but every piece still
 # walks all $T$ tokens in order, each step a small matrix-vector product followed by a
 # synchronization. A napkin estimate, generously assuming one SM runs a step at its full FP32 rate:
@@ -507,11 +512,12 @@ total_flops = flops_tok * T_long * hv_model
 print(f"one step on one SM: >= {t_step * 1e9:.0f} ns; one chain of {T_long} steps: >= {t_step * T_long * 1e3:.1f} ms")
 print(f"the same {total_flops / 1e9:.0f} GFLOP spread over all tensor cores at 790 TFLOP/s: "
       f"{total_flops / 790e12 * 1e3:.3f} ms")
+print(f"ratio: {t_step * T_long / (total_flops / 790e12):.0f}x")
 print(f"chains: {hv_model} for {sms} SMs -> {hv_model / sms:.0%} of the SMs have work, if one chain per SM")
 
 # %% [markdown]
-# Even under that generous assumption the sequential chain is an order of magnitude slower than
-# the FLOPs would take on the tensor cores, and most of the GPU is idle. The next chapter groups
+# Even under that generous assumption the sequential chain takes tens of times longer than the same
+# FLOPs would on the tensor cores, while most of the GPU is idle. The next chapter groups
 # $C = 64$ tokens into a chunk, turns the work inside a chunk into matrix products that run in
 # parallel across all chunks, and leaves a sequential chain of only $T / C$ steps.
 #

@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import jupytext
-import nbclient
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -16,6 +14,9 @@ def test_notebooks_exist():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
+    import jupytext  # dev dependencies, imported here so that `pytest -m gpu` collects without them
+    import nbclient
+
     nb = jupytext.read(path)
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}}).execute()
