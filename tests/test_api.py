@@ -145,3 +145,17 @@ def test_mixed_devices():
     x = _bad()
     with pytest.raises(ValueError, match=re.escape("must be on one device")):
         api(**{**x, "v": x["v"].to("meta")})
+
+
+@pytest.mark.gpu
+def test_api_trains_on_cuda():
+    """CUDA inputs: within the derived tolerance, and gradients reach every input on the GPU."""
+    x = Problem(4, 16, (1, 300, 1000)).inputs("cuda")
+    check_op("gdn_fwd", api, x)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    o, s = api(**{**x, **leaves})
+    (o.float().square().mean() + s.square().mean()).backward()
+    for n in names:
+        grad = leaves[n].grad
+        assert grad is not None and grad.is_cuda and torch.isfinite(grad).all() and grad.abs().sum() > 0, n
