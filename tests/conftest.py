@@ -25,5 +25,6 @@ def pytest_sessionfinish(session, exitstatus):
     passed = len(reporter.stats.get("passed", [])) if reporter else 0
     if exitstatus == 0 and session.testscollected and passed == 0:
         if reporter:
+            reporter.ensure_newline()
             reporter.write_line("flashqla: every selected test was skipped; failing the run", red=True)
         session.exitstatus = 1
