@@ -55,8 +55,10 @@ class Chunking:
 
     Every sequence (a row of an equal-length batch, or a ``cu_seqlens`` span) is padded at its end
     to ``NT * C`` tokens, NT being the chunk count of the longest sequence. Padding tokens carry
-    k = v = g = beta = 0, which leaves the state untouched; the one place that must skip them is
-    chunk_h, which decays by the g_cum of each chunk's last real token (``chunk_last``).
+    k = v = g = beta = 0, which leaves the state untouched. A cumulative gate is padded with its
+    last real value instead (``pad_g_cum``), as g = 0 would give: a zero there would put positive
+    exponents g_cum_i - g_cum_j between padding rows and real columns, which overflow in float32
+    and turn into NaN in the backward pass.
     """
 
     def __init__(self, batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, chunk_size: int,
@@ -88,6 +90,13 @@ class Chunking:
         out = flat.new_zeros(self.num_seqs, self.num_chunks * self.chunk_size, *rest)
         out = out.index_put((self.seq, self.pos), flat)
         return out.view(self.num_seqs, self.num_chunks, self.chunk_size, *rest)
+
+    def pad_g_cum(self, g_cum: torch.Tensor) -> torch.Tensor:
+        """g_cum [B, T, HV] -> [N, NT, C, HV], padding carrying each chunk's last real value."""
+        padded = self.pad(g_cum)
+        pos = torch.arange(self.chunk_size, device=padded.device)
+        idx = torch.minimum(pos, self.chunk_last[..., None])              # [N, NT, C]
+        return padded.gather(2, idx[..., None].expand_as(padded))
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[N, NT, C, *rest] -> [B, T, *rest]."""
@@ -174,7 +183,8 @@ def chunk_kkt(k, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     hv = beta.shape[2]
     ch = _chunking(k, cu_seqlens, chunk_size)
     kc = _heads_first(ch.pad(expand_heads(k, hv)))                  # [N, NT, HV, C, K]
-    gc, bc = (_heads_first(ch.pad(x.to(dt))) for x in (g_cum, beta))  # [N, NT, HV, C]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                 # [N, NT, HV, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
     gamma, strict = _decay_matrix(gc, -1)
     kkt = bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * gamma    # diag(beta) K K^T * Gamma
     a = torch.where(strict, kkt, torch.zeros_like(kkt))
@@ -205,7 +215,8 @@ def chunk_w_u(k, v, beta, Ai, g_cum, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     kc = _heads_first(ch.pad(expand_heads(k, hv)))                  # [N, NT, HV, C, K]
     vc = _heads_first(ch.pad(v.to(dt)))                             # [N, NT, HV, C, V]
     ai = _heads_first(ch.pad(Ai.to(dt)))                            # [N, NT, HV, C, C]
-    gc, bc = (_heads_first(ch.pad(x.to(dt))) for x in (g_cum, beta))
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))
+    bc = _heads_first(ch.pad(beta.to(dt)))
     w = ai @ ((bc * torch.exp(gc))[..., None] * kc)
     u = ai @ (bc[..., None] * vc)
     return ch.unpad(_tokens_first(w)), ch.unpad(_tokens_first(u))
@@ -226,14 +237,13 @@ def chunk_h(k, w, u, g_cum, initial_state=None, output_final_state=False, cu_seq
     ch = _chunking(k, cu_seqlens, chunk_size)
     kc = _heads_first(ch.pad(expand_heads(k, hv)))                  # [N, NT, HV, C, K]
     wc, uc = (_heads_first(ch.pad(x.to(dt))) for x in (w, u))
-    gc = _heads_first(ch.pad(g_cum.to(dt)))                         # [N, NT, HV, C]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                   # [N, NT, HV, C]
     h = kc.new_zeros(ch.num_seqs, hv, kd, vd) if initial_state is None else initial_state.to(dt)
     states, v_new = [], []
     for c in range(ch.num_chunks):
         states.append(h)
         vn = uc[:, c] - wc[:, c] @ h                                # v_new = u - w h
-        last = ch.chunk_last[:, c, None, None].expand(-1, hv, 1)
-        g_last = gc[:, c].gather(-1, last)[..., 0]                  # g_cum of the chunk's last real token
+        g_last = gc[:, c, :, -1]                                    # g_cum at the chunk's end
         kd_ = kc[:, c] * torch.exp(g_last[..., None] - gc[:, c])[..., None]
         h = torch.exp(g_last)[..., None, None] * h + kd_.transpose(-1, -2) @ vn  # S <- exp(g_C) S + K^T V~
         v_new.append(vn)
@@ -257,7 +267,7 @@ def chunk_o(q, k, v_new, h, g_cum, scale=None, cu_seqlens=None, chunk_size=CHUNK
     ch = _chunking(q, cu_seqlens, chunk_size)
     qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
     vc = _heads_first(ch.pad(v_new.to(dt)))                                        # [N, NT, HV, C, V]
-    gc = _heads_first(ch.pad(g_cum.to(dt)))                                        # [N, NT, HV, C]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
     hc = ch.unpack_chunks(h.to(dt))                                                # [N, NT, HV, K, V]
     gamma, causal = _decay_matrix(gc, 0)
     qk = qc @ kc.transpose(-1, -2) * gamma
