@@ -25,14 +25,15 @@ every later kernel repeats are shown once, on their own:
   tokens, and output rows past the end are not written (they are the next sequence's rows).
 
 Measured effect (one H200, ``profiles/chunk_kkt_lab.py`` -> ``profiles/results/chunk_kkt.csv``,
-every row in the same run): on (H, HV) = (16, 64), 1 x 32768 tokens, ``run`` takes 0.68 ms, 16x
-faster than the fp32 PyTorch reference (10.7 ms) but 0.39x the speed of FLA's Triton
-``chunk_scaled_dot_kkt_fwd`` (0.27 ms); across the five lab shapes it reaches 0.25-0.65x FLA. It
-is correct (rel. error about 2e-7 against float64) and slow for reasons that the next stages fix:
-the host rebuilds the chunk table from ``cu_seqlens`` on every call (a device sync and a copy,
-about 0.2 ms measured by timing the kernel alone, most of the time on small shapes); each value
-head reloads its key head (HV / H times the k traffic); the loads are plain, not TMA; and the fp32
-A tile, the largest traffic (64 floats per token and head), is stored straight from registers.
+every row in the same run): on (H, HV) = (16, 64), 1 x 32768 tokens, ``run`` takes 0.55 ms, 19x
+faster than the fp32 PyTorch reference (10.7 ms) but 0.49x the speed of FLA's Triton
+``chunk_scaled_dot_kkt_fwd`` (0.27 ms); across the five lab shapes it reaches 0.13-0.49x FLA, and
+an earlier run of the same code gave 0.68 ms (host-side noise, below). It is correct (relative
+error about 2e-7 against float64) and slow for reasons that later stages fix: the host rebuilds
+the chunk table from ``cu_seqlens`` on every call (a device sync and a copy, about 0.2 ms when the
+kernel alone is timed, most of the time on small shapes); each value head reloads its key head
+(HV / H times the k traffic); the loads are plain, not TMA; and the fp32 A tile, the largest
+traffic (64 floats per token and head), is stored straight from registers.
 Taught in: notebooks/03_forward_kernels.py (to come).
 """
 
