@@ -34,6 +34,7 @@ the chunk table from ``cu_seqlens`` on every call (a device sync and a copy, abo
 kernel alone is timed, most of the time on small shapes); each value head reloads its key head
 (HV / H times the k traffic); the loads are plain, not TMA; and the fp32 A tile, the largest
 traffic (64 floats per token and head), is stored straight from registers.
+
 Taught in: notebooks/03_forward_kernels.py (to come).
 """
 
