@@ -35,6 +35,7 @@ def test_compiles_for_hopper(stage):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.id)
 def test_stage_matches_reference(stage, problem):
