@@ -14,6 +14,8 @@ instead. A NaN or inf in ``initial_state`` poisons that sequence and head from i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flashqla import reference
@@ -36,8 +38,8 @@ def _check_tensor(name, x, ndim, dtypes) -> None:
         _fail(name, "one of " + ", ".join(str(d) for d in dtypes), x.dtype)
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> int:
-    """Raise ValueError naming the first bad argument; return N, the number of sequences."""
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
+    """Raise ValueError naming the first bad argument, before any work."""
     for name, x, ndim in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         _check_tensor(name, x, ndim, _ACT_DTYPES)
     B, T, H, K = q.shape
@@ -61,7 +63,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> int:
         devices.add(initial_state.device)
     if len(devices) > 1:
         _fail("q, k, v, g, beta, initial_state", "on one device", sorted(str(d) for d in devices))
-    if scale is not None and not (isinstance(scale, (int, float)) and scale == scale):
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         _fail("scale", "None or a finite Python number", repr(scale))
 
     N = B
@@ -86,7 +88,6 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> int:
         if tuple(initial_state.shape) != (N, HV, K, V):
             _fail("initial_state", f"[N, HV, K, V] = {(N, HV, K, V)} (N = number of sequences)",
                   f"shape {tuple(initial_state.shape)}")
-    return N
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -16,6 +16,7 @@ ulp, the error of merely storing a value in bf16, for outputs whose bf16 error h
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -120,10 +121,8 @@ def op_inputs(op: str, inputs: dict) -> dict:
     named["w"], named["u"] = reference.chunk_w_u(k, v, beta, named["Ai"], named["g_cum"], cu)
     named["h"], named["v_new"], _ = reference.chunk_h(k, named["w"], named["u"], named["g_cum"],
                                                       named["initial_state"], False, cu)
-    fn = OPS[op][0]
-    params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
     out = {}
-    for name in params:
+    for name in inspect.signature(OPS[op][0]).parameters:
         if name == "chunk_size":
             continue
         val = named[name]

@@ -135,6 +135,7 @@ BAD_INPUTS = {
     "zero head dim": (dict(q=_t(1, 94, 2, 0), k=_t(1, 94, 2, 0)), "non-empty head dimensions"),
     "scale is a tensor": (dict(scale=torch.tensor(0.1)), "`scale` must be None or a finite"),
     "scale is NaN": (dict(scale=math.nan), "`scale` must be None or a finite"),
+    "scale is inf": (dict(scale=math.inf), "`scale` must be None or a finite"),
     "cu_seqlens float": (dict(cu_seqlens=torch.tensor([0.0, 64.0, 94.0])), "`cu_seqlens` must be an int32 or int64"),
     "cu_seqlens list": (dict(cu_seqlens=[0, 64, 94]), "`cu_seqlens` must be an int32 or int64"),
     "cu_seqlens 2-D": (dict(cu_seqlens=torch.tensor([[0, 64, 94]])), "`cu_seqlens` must be 1-D"),
