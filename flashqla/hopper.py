@@ -14,16 +14,11 @@ import torch
 HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
-def compile_hopper(prim_func, out_idx=None):
+def compile_hopper(prim_func):
     """Lower and build a ``T.prim_func`` for sm_90a; works on a machine without a GPU."""
     import tilelang  # imported here: importing flashqla must not pull in TileLang
 
-    return tilelang.compile(prim_func, out_idx=out_idx, target=HOPPER_TARGET)
-
-
-def hopper_cuda_source(prim_func) -> str:
-    """The CUDA C++ that TileLang generates for sm_90a (wgmma, TMA and barriers show up here)."""
-    return compile_hopper(prim_func).get_kernel_source()
+    return tilelang.compile(prim_func, target=HOPPER_TARGET)
 
 
 @functools.cache

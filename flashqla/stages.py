@@ -59,10 +59,6 @@ class Stage:
         return f"{self.op}/{self.path.stem}"
 
     @property
-    def reference(self):
-        return OPS[self.op][0]
-
-    @property
     def module(self):
         mod_name = f"kernels.{self.op}.{self.path.stem}"
         if mod_name not in sys.modules:
@@ -94,10 +90,3 @@ def discover(kernels_dir: Path = KERNELS_DIR) -> list[Stage]:
         stages.append(Stage(op, int(_STAGE_FILE.fullmatch(path.name).group(1)), path))
     return sorted(stages, key=lambda s: (s.op, s.number))
 
-
-def get(stage_id: str, kernels_dir: Path = KERNELS_DIR) -> Stage:
-    """The stage with this id, e.g. get("chunk_kkt.s01")."""
-    for stage in discover(kernels_dir):
-        if stage.id == stage_id:
-            return stage
-    raise KeyError(f"no stage `{stage_id}` under {kernels_dir}")
