@@ -90,3 +90,12 @@ def discover(kernels_dir: Path = KERNELS_DIR) -> list[Stage]:
         stages.append(Stage(op, int(_STAGE_FILE.fullmatch(path.name).group(1)), path))
     return sorted(stages, key=lambda s: (s.op, s.number))
 
+
+
+def load(op: str, number: int, kernels_dir: Path = KERNELS_DIR):
+    """The module of stage ``op.sNN``, for stages built from earlier ones (e.g. gdn_fwd.s02 runs the
+    chunk_kkt stage). Raises LookupError when the checkout has no such stage."""
+    for stage in discover(kernels_dir):
+        if (stage.op, stage.number) == (op, number):
+            return stage.module
+    raise LookupError(f"no stage {op}.s{number:02d} under {kernels_dir}")
