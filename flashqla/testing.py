@@ -16,6 +16,7 @@ ulp, the error of merely storing a value in bf16, for outputs whose bf16 error h
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -187,3 +188,19 @@ def check_op(op: str, fn, inputs: dict, factor: float = TOLERANCE_FACTOR) -> lis
                  for c in bad]
         raise AssertionError(f"{op}: wrong answer\n" + "\n".join(lines))
     return checks
+
+
+def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> None:
+    """Run every stage once per head configuration on a tiny problem, many at a time.
+
+    TileLang compiles each new kernel shape on its first call (5-40 s, mostly in nvcc, which runs
+    outside the GIL), so compiling them on threads before a GPU test or benchmark run takes the
+    time of the slowest few instead of their sum.
+    """
+    def one(job):
+        stage, (H, HV) = job
+        stage.module.run(**op_inputs(stage.op, Problem(H, HV, (70,)).inputs(device)))
+
+    jobs = [(s, hv) for s in stages if not s.missing() for hv in heads]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, jobs))

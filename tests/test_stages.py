@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from flashqla.stages import discover
-from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs
+from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs, warm_up
 
 STAGES = discover()
 TILELANG_STAGES = [s for s in STAGES if hasattr(s.module, "kernel_source")]
@@ -34,11 +34,18 @@ def test_compiles_for_hopper(stage):
         assert needle in source, f"{stage.name}: generated CUDA lacks `{needle}`"
 
 
+@pytest.fixture(scope="module")
+def compiled_stages(request):
+    """Compile every selected stage for every public head configuration, in parallel, once."""
+    warm_up({item.callspec.params["stage"] for item in request.session.items
+             if item.originalname == "test_stage_matches_reference"})
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.id)
-def test_stage_matches_reference(stage, problem):
+def test_stage_matches_reference(stage, problem, compiled_stages):
     reason = stage.missing()
     if reason:
         pytest.skip(f"{stage.name}: {reason}")
