@@ -1,10 +1,18 @@
-"""Command line: ``python -m flashqla tour``."""
+"""Command line: ``python -m flashqla tour`` and ``python -m flashqla bench``."""
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
-from flashqla import tour
+from flashqla import bench, tour
+
+
+def _commit() -> str:
+    """The checkout's commit, or "unknown" (the GPU machine gets a copy of the tree without .git)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent)
+    return out.stdout.strip() or "unknown"
 
 
 def main(argv=None) -> int:
@@ -13,8 +21,16 @@ def main(argv=None) -> int:
     p_tour = sub.add_parser("tour", help="run every stage this machine supports, check and time it")
     p_tour.add_argument("--plot", type=Path, default=Path("flashqla-tour.png"),
                         help="where to save the plot (default: %(default)s)")
+    p_bench = sub.add_parser("bench", help="time every forward stage, FLA and FlashQLA (GPU)")
+    p_bench.add_argument("--csv", type=Path, default=None,
+                         help="results file (default: profiles/results/gdn_fwd.csv)")
+    p_bench.add_argument("--commit", default=None, help="commit to record (default: git's HEAD)")
+    p_bench.add_argument("--report", action="store_true",
+                         help="only redraw the plot and the README table from the CSV (any machine)")
     args = parser.parse_args(argv)
-    return tour.main(args.plot)
+    if args.command == "tour":
+        return tour.main(args.plot)
+    return bench.main(args.commit or _commit(), args.csv, args.report)
 
 
 if __name__ == "__main__":

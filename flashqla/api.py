@@ -1,8 +1,11 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
-Until a GPU kernel is promoted, every call runs the chunked PyTorch reference in float32 (float64
-when the inputs are float64) on the inputs' device, and autograd differentiates straight through
-it, so training code can use it today.
+On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
+TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``); the backward recomputes the
+chunked PyTorch reference in float32 and differentiates it, so training works and gradients reach
+every input. Everything else (CPU tensors, other GPUs, other dtypes, other head dims) runs the
+chunked PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device with
+autograd, after a one-time warning that says why.
 
 NaN and inf: inputs are not scanned (that would cost a pass over them and a host sync). A NaN or
 inf in q, k, v, g or beta at some token poisons, for the value heads that read it, the output of
@@ -14,11 +17,14 @@ instead. A NaN or inf in ``initial_state`` poisons that sequence and head from i
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import warnings
 
 import torch
 
 from flashqla import reference
+from flashqla.hopper import hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
 
 # Activations the reference path accepts; the state is float32 (float64 for float64 inputs).
@@ -90,6 +96,70 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
                   f"shape {tuple(initial_state.shape)}")
 
 
+def kernel_unsupported(q, v) -> str | None:
+    """None when the promoted kernels can run these (already checked) inputs, otherwise why not."""
+    if q.device.type != "cuda":
+        return f"the inputs are on the {q.device.type}; the kernels need an SM90 CUDA GPU"
+    if hopper_gpu_missing():
+        return hopper_gpu_missing()
+    if q.dtype != torch.bfloat16:
+        return f"q, k, v are {q.dtype}; the kernels take torch.bfloat16"
+    if q.shape[3] != 128 or v.shape[3] != 128:
+        return f"K = {q.shape[3]} and V = {v.shape[3]}; the kernels need K = V = 128"
+    if importlib.util.find_spec("tilelang") is None:
+        return "TileLang is not installed"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"flashqla.chunk_gated_delta_rule: running the PyTorch reference, because {reason}",
+                      stacklevel=3)
+
+
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """The chunked reference in float32 (float64 for float64 inputs), differentiable."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (x.to(work) for x in (q, k, v, g, beta))
+    return reference.chunk_gated_delta_rule_ref(
+        q, k, v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.to(work),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+class _KernelForward(torch.autograd.Function):
+    """Forward on the promoted kernels; backward by differentiating the float32 reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
+        from flashqla import fwd  # imported here: importing flashqla must not pull in TileLang
+
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.args = (scale, output_final_state, cu_seqlens)
+        with nvtx_range("fwd"):
+            return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        inputs = [None if x is None else x.detach().requires_grad_(x.requires_grad)
+                  for x in ctx.saved_tensors]
+        scale, output_final_state, cu_seqlens = ctx.args
+        with torch.enable_grad(), nvtx_range("bwd.reference"):
+            o, ht = _reference(*inputs[:5], scale, inputs[5], output_final_state, cu_seqlens)
+            outs, grads = [o], [do]
+            if ht is not None and dht is not None:
+                outs.append(ht)
+                grads.append(dht)
+            wanted = [x for x in inputs if x is not None and x.requires_grad]
+            got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+        return (*[next(got) if x is not None and x.requires_grad else None for x in inputs],
+                None, None, None)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """Gated DeltaNet, FLA-compatible.
@@ -108,14 +178,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         inputs), or None.
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    out_dtype = v.dtype
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if use_qk_l2norm_in_kernel:
+        q, k = (reference.l2norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
+                for x in (q, k))
+    reason = kernel_unsupported(q, v)
+    if reason is None:
+        return _KernelForward.apply(q, k, v, g, beta, initial_state, scale, output_final_state,
+                                    cu_seqlens)
+    _warn_once(reason)
     with nvtx_range("fwd.reference"):
-        q, k, v, g, beta = (x.to(work) for x in (q, k, v, g, beta))
-        if use_qk_l2norm_in_kernel:
-            q, k = reference.l2norm(q), reference.l2norm(k)
-        o, final_state = reference.chunk_gated_delta_rule_ref(
-            q, k, v, g, beta, scale=scale,
-            initial_state=None if initial_state is None else initial_state.to(work),
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return o.to(out_dtype), final_state
+        o, final_state = _reference(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    cu_seqlens)
+    return o.to(v.dtype), final_state

@@ -1,0 +1,312 @@
+"""``python -m flashqla bench``: every forward stage, FLA and FlashQLA, timed the same way in one run.
+
+Rows per problem: each ``gdn_fwd`` stage of the checkout (s00 is FLA's Triton forward, the first
+baseline), FlashQLA's ``chunk_gated_delta_rule`` (flash-qla 0.1.3, the second baseline) and the
+public ``flashqla.chunk_gated_delta_rule``, all under ``torch.no_grad`` as in inference.
+
+Timing, the same for every row: one untimed call per input set (JIT compiles, autotuning), then
+CUDA-graph capture of one call per input set and the median over replays, each replay timed with
+CUDA events; a row whose capture fails (a host synchronization inside, e.g. reading
+``cu_seqlens``) falls back to the same loop timed with events and says so in ``method``. Input
+sets rotate so that together they exceed twice the L2 cache: no row is timed out of a warm L2.
+
+Napkin math, the same useful work for every row so that rows compare (a stage that does more
+work, like the recurrence, or less, shows as a lower or higher rate):
+
+    FLOPs = per (chunk, value head) of the chunked form: K K^T, w, u, Q K^T, P v_new
+            (2 C^2 K or 2 C^2 V each) and w h, K^T v_new, Q h (2 C K V each); C = 64
+    bytes = what must cross HBM once: q, k, v read and o written (bf16), g, beta read (fp32),
+            the initial state read and the final state written (fp32)
+
+Each row gives ms, the ratio to each baseline (>1: faster than it), TFLOP/s and GB/s with their
+percentage of the roofs measured in the same run (an 8192^3 bf16 matmul, a 1 GiB copy) and
+``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the card's floor for this work.
+
+Before timing, every flashqla row is checked against the float64 reference
+(``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
+reported as FAILED and not timed. ``python -m flashqla bench --report`` redraws the plot and the
+README table from the committed CSV, on any machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from flashqla.stages import discover
+from flashqla.testing import PUBLIC_HEADS, Problem, check_op, warm_up
+
+MIXES = ((2048,), (8192,), (32768,), (28672, 4096), (4096,) * 8)
+PROBLEMS = [Problem(H, HV, mix) for H, HV in PUBLIC_HEADS for mix in MIXES]
+CHECK_LENGTHS = (1, 200, 777, 64, 130)
+RESULTS = Path(__file__).resolve().parent.parent / "profiles" / "results"
+README = RESULTS.parent.parent / "README.md"
+CHUNK = 64
+FLA_ROW, FLASHQLA_ROW, API_ROW = "FLA (gdn_fwd/s00_fla)", "FlashQLA", "flashqla.chunk_gated_delta_rule"
+
+
+def useful_flops(p: Problem) -> int:
+    chunks = sum(math.ceil(n / CHUNK) for n in p.lengths)
+    per_chunk = 2 * CHUNK * CHUNK * (3 * p.K + 2 * p.V) + 3 * 2 * CHUNK * p.K * p.V
+    return chunks * p.HV * per_chunk
+
+
+def useful_bytes(p: Problem) -> int:
+    T, N = sum(p.lengths), len(p.lengths)
+    acts = 2 * T * (2 * p.H * p.K + 2 * p.HV * p.V)       # q, k, v in, o out (bf16)
+    gates = 4 * T * 2 * p.HV                               # g, beta (fp32)
+    states = 4 * N * p.HV * p.K * p.V * (2 if p.initial_state else 1)
+    return acts + gates + states
+
+
+def _graph_or_events(fn, sets, repeat: int) -> tuple[float, str]:
+    """Median ms of one call: CUDA-graph replay of one call per set, or events if capture fails."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for x in sets:
+                fn(x)
+        launch, method = graph.replay, "CUDA graph replay"
+    except Exception:  # noqa: BLE001 -- any capture failure means: time it without a graph
+        torch.cuda.synchronize()
+        launch, method = (lambda: [fn(x) for x in sets]), "CUDA events, no graph (capture failed)"
+    launch()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(sets))
+    return statistics.median(times), method
+
+
+def input_sets(problem: Problem, l2_bytes: int) -> list[dict]:
+    """Enough independent input sets of ``problem`` to exceed twice the L2 cache together."""
+    n_sets = max(1, math.ceil(2 * l2_bytes / useful_bytes(problem)))
+    return [problem.inputs("cuda", seed=i) for i in range(n_sets)]
+
+
+def time_row(fn, sets: list[dict]) -> tuple[float, str]:
+    with torch.no_grad():
+        for x in sets:  # compile / autotune outside the timed region and the capture
+            fn(x)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(sets[0])
+        end.record()
+        end.synchronize()
+        repeat = max(3, min(50, int(300 / max(start.elapsed_time(end), 1e-3))))
+        return _graph_or_events(fn, sets, repeat)
+
+
+def roofs() -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s, copy GB/s) measured on this card now, median of 20."""
+    def med(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    tflops = 2 * 8192**3 / med(lambda: a @ a) / 1e9
+    x = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    gbs = 2 * x.numel() * 2 / med(lambda: y.copy_(x)) / 1e6
+    return tflops, gbs
+
+
+def _versions(commit: str) -> dict:
+    import tilelang
+
+    def version(pkg):
+        try:
+            return __import__(pkg).__version__
+        except ImportError:
+            return "absent"
+
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+    return dict(gpu=torch.cuda.get_device_name(), driver=driver, cuda=torch.version.cuda,
+                torch=torch.__version__, tilelang=tilelang.__version__, fla=version("fla"),
+                flash_qla=version("flash_qla"), commit=commit,
+                date=datetime.date.today().isoformat())
+
+
+def candidates() -> list[tuple[str, object, object]]:
+    """(row name, fn(inputs dict) -> outputs, stage or None) for everything this machine can run."""
+    from flashqla.api import chunk_gated_delta_rule
+
+    rows = []
+    for stage in discover():
+        if stage.op == "gdn_fwd" and not stage.missing():
+            name = FLA_ROW if stage.number == 0 else stage.name
+            rows.append((name, lambda x, s=stage: s.module.run(**x), stage))
+    try:
+        import flash_qla
+
+        rows.append((FLASHQLA_ROW, lambda x: flash_qla.chunk_gated_delta_rule(**x), None))
+    except ImportError:
+        pass
+    rows.append((API_ROW, lambda x: chunk_gated_delta_rule(**x), "api"))
+    return rows
+
+
+def run_bench(commit: str, problems=PROBLEMS) -> list[dict]:
+    cands = candidates()
+    failed = set()
+    warm_up([c[2] for c in cands if c[2] not in (None, "api")],
+            heads=sorted({(p.H, p.HV) for p in problems}))
+    for H, HV in sorted({(p.H, p.HV) for p in problems}):
+        x = Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1)
+        for name, fn, stage in cands:
+            if stage is None:
+                continue
+            try:
+                check_op("gdn_fwd", lambda **kw: fn(kw), x)
+            except AssertionError as exc:
+                failed.add(name)
+                print(f"FAILED {name} on ({H}, {HV}): {exc}")
+    tflops_roof, gbs_roof = roofs()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    meta = dict(_versions(commit), gemm_roof_tflops=round(tflops_roof),
+                copy_roof_gbs=round(gbs_roof))
+    rows = []
+    for p in problems:
+        flops, nbytes = useful_flops(p), useful_bytes(p)
+        floor_ms = max(flops / tflops_roof / 1e9, nbytes / gbs_roof / 1e6)
+        base, sets = {}, input_sets(p, l2)
+        for name, fn, _ in cands:
+            if name in failed:
+                rows.append(dict(problem=p.label, impl=name, ms="", method="FAILED its check"))
+                continue
+            ms, method = time_row(fn, sets)
+            base.setdefault(name, ms)
+            rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=method,
+                             tflops=round(flops / ms / 1e9, 1),
+                             pct_gemm_roof=round(100 * flops / ms / 1e9 / tflops_roof, 1),
+                             gbs=round(nbytes / ms / 1e6), pct_copy_roof=round(
+                                 100 * nbytes / ms / 1e6 / gbs_roof, 1),
+                             x_floor=round(ms / floor_ms, 2)))
+        for r in rows:
+            if r["problem"] == p.label and r["ms"] != "":
+                for peer, col in ((FLA_ROW, "vs_fla"), (FLASHQLA_ROW, "vs_flashqla")):
+                    r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
+        print(format_rows([r for r in rows if r["problem"] == p.label]), flush=True)
+    return [{**r, **meta} for r in rows]
+
+
+COLUMNS = ("problem", "impl", "ms", "vs_fla", "vs_flashqla", "tflops", "pct_gemm_roof", "gbs",
+           "pct_copy_roof", "x_floor", "method")
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        cells = [str(r.get(c, "")) for c in COLUMNS]
+        lines.append(f"{cells[0]:28} {cells[1]:34} " + " ".join(f"{c:>8}" for c in cells[2:10])
+                     + f"  {cells[10]}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    fields = list(COLUMNS) + [k for k in rows[0] if k not in COLUMNS]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def readme_table(rows: list[dict]) -> str:
+    """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    meta = rows[0]
+    head = ("| problem | " + " | ".join(impls) + " | best flashqla stage | vs FLA | vs FlashQLA |\n"
+            "|---|" + "---|" * (len(impls) + 3))
+    lines = [f"Forward, ms (median, {meta['gpu']}, driver {meta['driver']}, CUDA {meta['cuda']}, "
+             f"torch {meta['torch']}, TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla "
+             f"{meta['flash_qla']}, commit {meta['commit']}, {meta['date']}; roofs measured in the "
+             f"same run: bf16 GEMM {meta['gemm_roof_tflops']} TFLOP/s, copy {meta['copy_roof_gbs']} "
+             "GB/s). Timing per row in `profiles/results/gdn_fwd.csv` (`method`).", "", head]
+    for label in dict.fromkeys(r["problem"] for r in rows):
+        got = {r["impl"]: r for r in rows if r["problem"] == label}
+        ours = [r for name, r in got.items() if name.startswith("gdn_fwd/") and r["ms"]]
+        best = min(ours, key=lambda r: float(r["ms"])) if ours else None
+        cells = [got[i]["ms"] if i in got and got[i]["ms"] else "-" for i in impls]
+        tail = ([best["impl"].split("/")[1], best["vs_fla"] or "-", best["vs_flashqla"] or "-"]
+                if best else ["-", "-", "-"])
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(tail) + " |")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- bench:gdn_fwd:begin -->", "<!-- bench:gdn_fwd:end -->"
+
+
+def update_readme(rows: list[dict], readme: Path = README) -> None:
+    text = readme.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + "\n" + readme_table(rows) + "\n" + text[stop:])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Latency against problem, one line per implementation, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["problem"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(labels)), 4.5))
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        pts = [(labels.index(r["problem"]), float(r["ms"])) for r in rows
+               if r["impl"] == impl and r["ms"]]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, lw=1, label=impl)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("forward latency (ms, log)")
+    ax.set_title(f"gdn forward on {rows[0]['gpu']} ({rows[0]['date']}, commit {rows[0]['commit']})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(commit: str, csv_path: Path | None, report: bool) -> int:
+    csv_path = csv_path or RESULTS / "gdn_fwd.csv"
+    if not report:
+        if not torch.cuda.is_available():
+            print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
+            return 1
+        rows = run_bench(commit)
+        write_csv(rows, csv_path)
+        print(f"wrote {csv_path}")
+        if any(r["method"] == "FAILED its check" for r in rows):
+            return 1
+        return 0
+    rows = read_csv(csv_path)
+    plot(rows, csv_path.with_suffix(".png"))
+    update_readme(rows)
+    print(f"redrew {csv_path.with_suffix('.png')} and the README table from {csv_path}")
+    return 0
