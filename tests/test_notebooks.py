@@ -8,7 +8,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 def test_notebooks_exist():
-    assert [p.name for p in NOTEBOOKS][:2] == ["01_recurrence.py", "02_chunked_form.py"]
+    assert [p.name for p in NOTEBOOKS][:3] == ["01_recurrence.py", "02_chunked_form.py",
+                                               "03_forward_kernels.py"]
 
 
 @pytest.mark.slow
