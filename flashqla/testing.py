@@ -197,10 +197,7 @@ def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> Non
     outside the GIL), so compiling them on threads before a GPU test or benchmark run takes the
     time of the slowest few instead of their sum.
     """
-    def one(job):
-        stage, (H, HV) = job
-        stage.module.run(**op_inputs(stage.op, Problem(H, HV, (70,)).inputs(device)))
-
-    jobs = [(s, hv) for s in stages if not s.missing() for hv in heads]
+    jobs = [(s, op_inputs(s.op, Problem(H, HV, (70,)).inputs(device)))  # serially: torch's lazy
+            for s in stages if not s.missing() for H, HV in heads]        # inits are not thread-safe
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, jobs))
+        list(pool.map(lambda job: job[0].module.run(**job[1]), jobs))
