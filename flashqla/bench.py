@@ -132,7 +132,7 @@ def roofs() -> tuple[float, float]:
     return tflops, gbs
 
 
-def _versions(commit: str) -> dict:
+def versions(commit: str) -> dict:
     import tilelang
 
     def version(pkg):
@@ -185,7 +185,7 @@ def run_bench(commit: str, problems=PROBLEMS) -> list[dict]:
                 print(f"FAILED {name} on ({H}, {HV}): {exc}")
     tflops_roof, gbs_roof = roofs()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    meta = dict(_versions(commit), gemm_roof_tflops=round(tflops_roof),
+    meta = dict(versions(commit), gemm_roof_tflops=round(tflops_roof),
                 copy_roof_gbs=round(gbs_roof))
     rows = []
     for p in problems:
