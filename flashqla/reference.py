@@ -23,6 +23,7 @@ the inputs and outputs that a kernel of that step has (FLA's names and layouts):
     chunk_kkt            k, g_cum, beta             -> A         [B, T, HV, C]
     kkt_solve            A                          -> Ai        [B, T, HV, C]
     chunk_w_u            k, v, beta, Ai, g_cum      -> w [B, T, HV, K], u [B, T, HV, V]
+    (chunk_fwd_intra     k, v, g_cum, beta          -> w, u: the three steps above in one)
     chunk_h              k, w, u, g_cum, h0         -> h [B', NT, HV, K, V], v_new [B, T, HV, V], h_final
     chunk_o              q, k, v_new, h, g_cum      -> o         [B, T, HV, V]
 
@@ -220,6 +221,14 @@ def chunk_w_u(k, v, beta, Ai, g_cum, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     w = ai @ ((bc * torch.exp(gc))[..., None] * kc)
     u = ai @ (bc[..., None] * vc)
     return ch.unpad(_tokens_first(w)), ch.unpad(_tokens_first(u))
+
+
+def chunk_fwd_intra(k, v, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """k [B, T, H, K], v [B, T, HV, V], g_cum, beta [B, T, HV] -> (w, u): chunk_kkt, kkt_solve and
+    chunk_w_u in one step (FLA's name for it), so that A and Ai need never leave a kernel."""
+    A = chunk_kkt(k, g_cum, beta, cu_seqlens, chunk_size)
+    Ai = kkt_solve(A, cu_seqlens, chunk_size)
+    return chunk_w_u(k, v, beta, Ai, g_cum, cu_seqlens, chunk_size)
 
 
 def chunk_h(k, w, u, g_cum, initial_state=None, output_final_state=False, cu_seqlens=None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +35,14 @@ OPS = {
     "chunk_kkt": (reference.chunk_kkt, ("A",)),
     "kkt_solve": (reference.kkt_solve, ("Ai",)),
     "chunk_w_u": (reference.chunk_w_u, ("w", "u")),
+    "chunk_fwd_intra": (reference.chunk_fwd_intra, ("w", "u")),
     "chunk_h": (reference.chunk_h, ("h", "v_new", "final_state")),
     "chunk_o": (reference.chunk_o, ("o",)),
 }
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _STAGE_FILE = re.compile(r"s(\d\d)_(\w+)\.py")
+_loading = threading.RLock()  # a module is registered before it runs: others must not see it half-made
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,13 @@ class Stage:
     @property
     def module(self):
         mod_name = f"kernels.{self.op}.{self.path.stem}"
-        if mod_name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(mod_name, self.path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module  # before exec: inspect.getsource (TileLang) looks it up
-            spec.loader.exec_module(module)
-        return sys.modules[mod_name]
+        with _loading:
+            if mod_name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(mod_name, self.path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module  # before exec: inspect.getsource (TileLang) looks it up
+                spec.loader.exec_module(module)
+            return sys.modules[mod_name]
 
     def missing(self) -> str | None:
         """None when this machine can run the stage, otherwise why not."""
