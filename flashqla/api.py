@@ -96,16 +96,16 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
                   f"shape {tuple(initial_state.shape)}")
 
 
-def kernel_unsupported(q, v) -> str | None:
-    """None when the promoted kernels can run these (already checked) inputs, otherwise why not."""
-    if q.device.type != "cuda":
-        return f"the inputs are on the {q.device.type}; the kernels need an SM90 CUDA GPU"
+def kernel_unsupported(device: torch.device, dtype: torch.dtype, K: int, V: int) -> str | None:
+    """None when the promoted kernels can run (already checked) inputs like these, otherwise why not."""
+    if device.type != "cuda":
+        return f"the inputs are on the {device.type}; the kernels need an SM90 CUDA GPU"
     if hopper_gpu_missing():
         return hopper_gpu_missing()
-    if q.dtype != torch.bfloat16:
-        return f"q, k, v are {q.dtype}; the kernels take torch.bfloat16"
-    if q.shape[3] != 128 or v.shape[3] != 128:
-        return f"K = {q.shape[3]} and V = {v.shape[3]}; the kernels need K = V = 128"
+    if dtype != torch.bfloat16:
+        return f"q, k, v are {dtype}; the kernels take torch.bfloat16"
+    if K != 128 or V != 128:
+        return f"K = {K} and V = {V}; the kernels need K = V = 128"
     if importlib.util.find_spec("tilelang") is None:
         return "TileLang is not installed"
     return None
@@ -181,7 +181,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if use_qk_l2norm_in_kernel:
         q, k = (reference.l2norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
                 for x in (q, k))
-    reason = kernel_unsupported(q, v)
+    reason = kernel_unsupported(q.device, q.dtype, q.shape[3], v.shape[3])
     if reason is None:
         return _KernelForward.apply(q, k, v, g, beta, initial_state, scale, output_final_state,
                                     cu_seqlens)

@@ -70,17 +70,17 @@ class Problem:
 
     def inputs(self, device="cpu", seed: int = 0) -> dict:
         """Keyword arguments for ``chunk_gated_delta_rule`` (and the gdn_fwd op), in kernel dtypes."""
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device).manual_seed(seed)  # drawn where used: large problems fast
         B, T = (1, sum(self.lengths)) if self.varlen else (len(self.lengths), self.lengths[0])
         N = len(self.lengths)
 
         def randn(*shape):
-            return torch.randn(*shape, generator=gen)
+            return torch.randn(*shape, generator=gen, device=device)
 
         q = reference.l2norm(randn(B, T, self.H, self.K))
         k = reference.l2norm(randn(B, T, self.H, self.K))
         v = randn(B, T, self.HV, self.V)
-        kind = torch.arange(self.HV) % 4
+        kind = torch.arange(self.HV, device=device) % 4
         g = torch.where(kind == 1, F.logsigmoid(randn(B, T, self.HV) - 2.0),
                         F.logsigmoid(randn(B, T, self.HV) + 2.0))
         g = torch.where(kind == 0, torch.zeros_like(g), g)
