@@ -169,7 +169,8 @@ def candidates() -> list[tuple[str, object, object]]:
     return rows
 
 
-def run_bench(commit: str, problems=PROBLEMS) -> list[dict]:
+def run_bench(commit: str, csv_path: Path, problems=PROBLEMS) -> list[dict]:
+    """Check, then time every row on every problem; the CSV is rewritten after each problem."""
     cands = candidates()
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
@@ -216,6 +217,7 @@ def run_bench(commit: str, problems=PROBLEMS) -> list[dict]:
                 for peer, col in ((FLA_ROW, "vs_fla"), (FLASHQLA_ROW, "vs_flashqla")):
                     r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
         print(format_rows([r for r in rows if r["problem"] == p.label]), flush=True)
+        write_csv([{**r, **meta} for r in rows], csv_path)
     return [{**r, **meta} for r in rows]
 
 
@@ -306,8 +308,7 @@ def main(commit: str, csv_path: Path | None, report: bool) -> int:
         if not torch.cuda.is_available():
             print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
             return 1
-        rows = run_bench(commit)
-        write_csv(rows, csv_path)
+        rows = run_bench(commit, csv_path)
         print(f"wrote {csv_path}")
         if any(r["method"] == "FAILED its check" for r in rows):
             return 1
