@@ -30,18 +30,18 @@ README table from the committed CSV, on any machine.
 
 from __future__ import annotations
 
-import concurrent.futures
 import csv
 import datetime
 import math
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 
 from flashqla.stages import discover
-from flashqla.testing import PUBLIC_HEADS, Problem, check_op
+from flashqla.testing import PUBLIC_HEADS, Problem, check_op, warm_up
 
 MIXES = ((2048,), (8192,), (32768,), (28672, 4096), (4096,) * 8)
 PROBLEMS = [Problem(H, HV, mix) for H, HV in PUBLIC_HEADS for mix in MIXES]
@@ -174,13 +174,10 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS) -> list[dict]:
     cands = candidates()
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
-    # JIT-compile every TileLang row (ours and FlashQLA's) for every head configuration on threads;
-    # FlashQLA picks other kernels for long sequences, hence the long problem. FLA's Triton
-    # autotuning is left to its first untimed call.
-    jobs = [(fn, Problem(H, HV, mix).inputs("cuda")) for H, HV in heads for mix in ((70,), (32768,))
-            for name, fn, _ in cands if name != FLA_ROW]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool, torch.no_grad():
-        list(pool.map(lambda job: job[0](job[1]), jobs))
+    # JIT-compile our TileLang stages for every head configuration on threads; the peers compile
+    # or autotune in their first, untimed call
+    warm_up([c[2] for c in cands if c[2] not in (None, "api")], heads=heads)
+    print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
         x = Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1)
         for name, fn, stage in cands:
@@ -216,7 +213,8 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS) -> list[dict]:
             if r["problem"] == p.label and r["ms"] != "":
                 for peer, col in ((FLA_ROW, "vs_fla"), (FLASHQLA_ROW, "vs_flashqla")):
                     r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
-        print(format_rows([r for r in rows if r["problem"] == p.label]), flush=True)
+        print(time.strftime("%X"), format_rows([r for r in rows if r["problem"] == p.label]),
+              sep="\n", flush=True)
         write_csv([{**r, **meta} for r in rows], csv_path)
     return [{**r, **meta} for r in rows]
 
