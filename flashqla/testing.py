@@ -199,8 +199,10 @@ def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> Non
     """
     jobs = [(s, op_inputs(s.op, Problem(H, HV, (70,)).inputs(device)))  # serially: torch's lazy
             for s in stages if not s.missing() for H, HV in heads]        # inits are not thread-safe
-    triton = [job for job in jobs if "fla" in job[0].module.NEEDS]  # Triton's autotuner is not
-    for stage, inputs in triton:                                     # thread-safe: one at a time
-        stage.module.run(**inputs)
+    runs_triton = [("fla" in stage.module.NEEDS) for stage, _ in jobs]  # Triton's autotuner is
+    for (stage, inputs), serial in zip(jobs, runs_triton):                # not thread-safe
+        if serial:
+            stage.module.run(**inputs)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda job: job[0].module.run(**job[1]), [j for j in jobs if j not in triton]))
+        list(pool.map(lambda job: job[0].module.run(**job[1]),
+                      [job for job, serial in zip(jobs, runs_triton) if not serial]))
