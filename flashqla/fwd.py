@@ -3,18 +3,19 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, so the library runs exactly what the stage tests
-and the benchmark checked. Promoted from gdn_fwd.s03, the fastest correct forward stage
-(``profiles/results/gdn_fwd.csv``), with the preparation stages it chains:
+and the benchmark checked. The fastest correct pieces (``profiles/results/gdn_fwd.csv``, and the
+measurements in each stage's docstring):
 
-    chunk_local_cumsum.s01   g                      -> g_cum        one CTA per chunk, all heads
-    chunk_kkt.s02            k, g_cum, beta         -> A            wgmma, per (chunk, value head)
-    kkt_solve.s01            A                      -> Ai = (I + A)^-1, column substitution
-    chunk_w_u.s01            k, v, beta, Ai, g_cum  -> w, u         wgmma
+    chunk_local_cumsum.s01   g                      -> g_cum      one CTA per chunk, all heads
+    chunk_fwd_intra.s01      k, v, g_cum, beta      -> w, u       K K^T, (I + A)^-1 and the WY
+                                                                  products in one kernel: A and Ai
+                                                                  stay on chip (s03 ran them as
+                                                                  three kernels)
     gdn_fwd.s03 (fused)      q, k, w, u, g_cum, h0  -> o, final state: the state recurrence and the
                                                        output in one kernel, TMA, 2-stage pipeline
 
 ``forward`` builds the varlen maps once (``flashqla.varlen``, cached per ``cu_seqlens``, no host
-synchronization) and launches the five kernels, each in an NVTX range ``fwd.<kernel>``.
+synchronization) and launches the three kernels, each in an NVTX range ``fwd.<kernel>``.
 """
 
 import functools
@@ -27,7 +28,7 @@ from flashqla.varlen import chunk_table, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
-THREADS = 128         # one warpgroup (chunk_kkt, chunk_w_u)
+THREADS = 128         # one warpgroup (chunk_fwd_intra)
 H_O_THREADS = 256     # two consumer warpgroups (the fused kernel; TileLang adds a producer)
 BLOCK_V = 64          # value columns of the state owned by one CTA of the fused kernel
 NUM_STAGES = 2        # the fused kernel loads chunk c + 1 (TMA) while chunk c computes
@@ -71,117 +72,8 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/chunk_kkt/s02_device_chunk_table.py
-def chunk_kkt_kernel(H: int, HV: int, K: int):
-    """The T.prim_func for H key heads, HV value heads, head dim K; any token or chunk count."""
-    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
-
-    BT = CHUNK_SIZE
-    group = HV // H  # value head i_hv reads key head i_hv // group
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
-
-    @T.prim_func
-    def chunk_kkt_fwd(
-        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
-        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
-        beta: T.Tensor((num_tokens, HV), "float32"),
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
-        A: T.Tensor((num_tokens, HV, BT), "float32"),          # row (t mod C) of each chunk's A
-    ):
-        with T.Kernel(num_chunks, HV, threads=THREADS) as (i_c, i_hv):
-            i_h = i_hv // group
-            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
-            n = chunk_bounds[i_c, 1] - bos                     # its length, 1..64
-
-            k_shared = T.alloc_shared((BT, K), "bfloat16")
-            g_shared = T.alloc_shared((BT,), "float32")
-            beta_shared = T.alloc_shared((BT,), "float32")
-            A_fragment = T.alloc_fragment((BT, BT), "float32")
-
-            # K <- k[bos : bos + n], zeros below row n (explicit loads; rows >= n would be the
-            # next sequence's tokens)
-            for i, d in T.Parallel(BT, K):
-                k_shared[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
-            # g <- log2(e) g_cum (so that exp(x) = exp2(log2(e) x)), beta <- beta; zeros below row n
-            for i in T.Parallel(BT):
-                g_shared[i] = T.if_then_else(i < n, g_cum[bos + i, i_hv] * LOG2E, 0)
-                beta_shared[i] = T.if_then_else(i < n, beta[bos + i, i_hv], 0)
-
-            # A <- K K^T   (64 x 64 x K, bf16 in, fp32 accumulate: wgmma)
-            T.gemm(k_shared, k_shared, A_fragment, transpose_B=True, clear_accum=True)
-
-            # A <- StrictLower(diag(beta) A * Gamma); the exponent is taken only where j < i,
-            # where g_cum_i - g_cum_j <= 0 (g <= 0), so it never overflows
-            for i, j in T.Parallel(BT, BT):
-                A_fragment[i, j] = T.if_then_else(
-                    j < i, beta_shared[i] * A_fragment[i, j] * T.exp2(g_shared[i] - g_shared[j]), 0)
-
-            # A[bos + i] <- row i, for the chunk's own n rows only
-            for i, j in T.Parallel(BT, BT):
-                if i < n:
-                    A[bos + i, i_hv, j] = A_fragment[i, j]
-
-    return chunk_kkt_fwd
-
-
-# ---- promoted from kernels/kkt_solve/s01_column_substitution.py
-def kkt_solve_kernel(HV: int):
-    """The T.prim_func for HV value heads; any token or chunk count."""
-    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
-
-    BT = CHUNK_SIZE
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
-
-    @T.prim_func
-    def kkt_solve_fwd(
-        A: T.Tensor((num_tokens, HV, BT), "float32"),          # row (t mod C) of each chunk's A
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
-        Ai: T.Tensor((num_tokens, HV, BT), "bfloat16"),        # row (t mod C) of (I + A)^-1
-    ):
-        with T.Kernel(num_chunks, HV, threads=BT) as (i_c, i_hv):
-            c = T.get_thread_binding()                         # this thread's column
-            bos = chunk_bounds[i_c, 0]
-            n = chunk_bounds[i_c, 1] - bos                     # chunk length, 0..64
-
-            A_shared = T.alloc_shared((BT, BT), "float32")
-            Ai_shared = T.alloc_shared((BT, BT), "bfloat16")
-            x = T.alloc_local((BT,), "float32")
-            acc = T.alloc_local((4,), "float32")               # four partial sums of a row
-
-            # A <- A[bos : bos + n], zero rows below n (identity rows of I + A)
-            for i, j in T.Parallel(BT, BT):
-                A_shared[i, j] = T.if_then_else(i < n, A[bos + i, i_hv, j], 0)
-
-            # x <- (I + A)^-1 e_c: x_i = [i == c] - sum_{j < i} A_ij x_j, rows from the warp's
-            # first column on (x_j = 0 above it); the sum runs in four chains (j mod 4) that
-            # meet at the end of the row, and ptxas merges the four reads of A into one LDS.128
-            for i in T.unroll(BT):
-                x[i] = 0.0
-            for first in (0, 32):
-                if c // 32 == first // 32:
-                    for i in T.unroll(first, BT):
-                        for q in T.unroll(4):
-                            acc[q] = 0.0
-                        for j in T.unroll(first, BT):
-                            if j < i:
-                                acc[j % 4] = acc[j % 4] + A_shared[i, j] * x[j]
-                        x[i] = T.if_then_else(i == c, 1.0, 0.0) - ((acc[0] + acc[1]) + (acc[2] + acc[3]))
-            # Ai[:, c] <- x (bf16)
-            for i in T.unroll(BT):
-                Ai_shared[i, c] = x[i]
-
-            # Ai[bos + i] <- row i, for the chunk's own n rows only
-            for i, j in T.Parallel(BT, BT):
-                if i < n:
-                    Ai[bos + i, i_hv, j] = Ai_shared[i, j]
-
-    return kkt_solve_fwd
-
-
-# ---- promoted from kernels/chunk_w_u/s01_wgmma.py
-def chunk_w_u_kernel(H: int, HV: int):
+# ---- promoted from kernels/chunk_fwd_intra/s01_fused.py
+def chunk_fwd_intra_kernel(H: int, HV: int):
     """The T.prim_func for H key heads, HV value heads, K = V = 128; any token or chunk count."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
     from tilelang.layout import make_swizzled_layout
@@ -192,59 +84,102 @@ def chunk_w_u_kernel(H: int, HV: int):
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
-    def chunk_w_u_fwd(
+    def chunk_fwd_intra_fwd(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
         beta: T.Tensor((num_tokens, HV), "float32"),
-        Ai: T.Tensor((num_tokens, HV, BT), "bfloat16"),        # row (t mod C) of (I + A)^-1
-        g_cum: T.Tensor((num_tokens, HV), "float32"),
         chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
         w: T.Tensor((num_tokens, HV, K), "bfloat16"),
         u: T.Tensor((num_tokens, HV, V), "bfloat16"),
     ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (i_c, i_hv):
+            t = T.get_thread_binding()
+            c = 16 * (t // 32) + t % 16                        # warp w solves columns 16w..16w+15
+            h = (t // 16) % 2                                  # which half of each row sum
             i_h = i_hv // group
-            bos = chunk_bounds[i_c, 0]
-            n = chunk_bounds[i_c, 1] - bos                     # chunk length, 0..64
+            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
+            n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
 
-            Ai_shared = T.alloc_shared((BT, BT), "bfloat16")
             k_shared = T.alloc_shared((BT, K), "bfloat16")
             v_shared = T.alloc_shared((BT, V), "bfloat16")
+            g_shared = T.alloc_shared((BT,), "float32")
+            beta_shared = T.alloc_shared((BT,), "float32")
+            A_shared = T.alloc_shared((BT, BT), "float32")
+            Aik_shared = T.alloc_shared((BT, BT), "bfloat16")  # Ai diag(beta exp(g_cum))
+            Aiv_shared = T.alloc_shared((BT, BT), "bfloat16")  # Ai diag(beta)
             out_shared = T.alloc_shared((BT, K), "bfloat16")
-            kscale_shared = T.alloc_shared((BT,), "float32")
-            vscale_shared = T.alloc_shared((BT,), "float32")
-            acc = T.alloc_fragment((BT, K), "float32")
+            A_fragment = T.alloc_fragment((BT, BT), "float32")
+            acc_fragment = T.alloc_fragment((BT, K), "float32")
+            y = T.alloc_local((BT // 2,), "float32")          # this half's x_j of column c
+            acc = T.alloc_local((4,), "float32")               # four partial sums of a row
+            part = T.alloc_local((1,), "float32")
             # swizzled: the accumulator's 8-row stmatrix stores would otherwise hit one bank 8 times
             T.annotate_layout({out_shared: make_swizzled_layout(out_shared)})
 
-            # kscale_i <- beta_i exp(g_cum_i), vscale_i <- beta_i; zeros below row n
-            for i in T.Parallel(BT):
-                kscale_shared[i] = T.if_then_else(
-                    i < n, beta[bos + i, i_hv] * T.exp2(g_cum[bos + i, i_hv] * LOG2E), 0)
-                vscale_shared[i] = T.if_then_else(i < n, beta[bos + i, i_hv], 0)
-            # Ai <- Ai[bos : bos + n]; diag(kscale) K and diag(vscale) V in bf16; zeros below row n
-            for i, j in T.Parallel(BT, BT):
-                Ai_shared[i, j] = T.if_then_else(i < n, Ai[bos + i, i_hv, j], 0)
+            # K <- k[bos : bos + n], V <- v[bos : bos + n]; zeros below row n
             for i, d in T.Parallel(BT, K):
-                k_shared[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d] * kscale_shared[i], 0)
+                k_shared[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
             for i, d in T.Parallel(BT, V):
-                v_shared[i, d] = T.if_then_else(i < n, v[bos + i, i_hv, d] * vscale_shared[i], 0)
+                v_shared[i, d] = T.if_then_else(i < n, v[bos + i, i_hv, d], 0)
+            # g <- log2(e) g_cum (so that exp(x) = exp2(log2(e) x)), beta <- beta; zeros below row n
+            for i in T.Parallel(BT):
+                g_shared[i] = T.if_then_else(i < n, g_cum[bos + i, i_hv] * LOG2E, 0)
+                beta_shared[i] = T.if_then_else(i < n, beta[bos + i, i_hv], 0)
 
-            # w <- Ai diag(beta exp(g_cum)) K   (64 x 128 x 64, wgmma)
-            T.gemm(Ai_shared, k_shared, acc, clear_accum=True)
-            T.copy(acc, out_shared)
+            # A <- K K^T   (64 x 64 x K, bf16 in, fp32 accumulate: wgmma)
+            T.gemm(k_shared, k_shared, A_fragment, transpose_B=True, clear_accum=True)
+
+            # A <- StrictLower(diag(beta) A * Gamma) into shared fp32, rows of the chunk only (the
+            # exponent is taken only where j < i < n, where g_cum_i - g_cum_j <= 0: no overflow);
+            # rows >= n are zero, identity rows of I + A that never feed rows < n
+            for i, j in T.Parallel(BT, BT):
+                A_shared[i, j] = T.if_then_else(
+                    (j < i) & (i < n),
+                    beta_shared[i] * A_fragment[i, j] * T.exp2(g_shared[i] - g_shared[j]), 0)
+
+            # x <- (I + A)^-1 e_c: x_i = [i == c] - sum_{j < i} A_ij x_j, rows from the warp's
+            # first column on (x_j = 0 above it). Two lanes (l, l ^ 16) share column c: half h keeps
+            # the x_j of the j-blocks of 4 with (j / 4) mod 2 = h (y[s] = x_j, j = 8 (s / 4) + 4 h +
+            # s mod 4), sums its half of each row in four chains (one broadcast LDS.128 a block),
+            # and one shuffle adds the other half; x_j not yet found are 0, so whole blocks are summed
+            for s in T.unroll(BT // 2):
+                y[s] = 0.0
+            for warp, first in enumerate((0, 16, 32, 48)):
+                if t // 32 == warp:
+                    for i in T.unroll(first, BT):
+                        for q in T.unroll(4):
+                            acc[q] = 0.0
+                        for b in T.unroll(first // 8, BT // 8):
+                            if 8 * b < i:
+                                for q in T.unroll(4):
+                                    acc[q] = acc[q] + A_shared[i, 8 * b + 4 * h + q] * y[4 * b + q]
+                        part[0] = (acc[0] + acc[1]) + (acc[2] + acc[3])
+                        part[0] = T.if_then_else(i == c, 1.0, 0.0) - (part[0] + T.shfl_xor(part[0], 16))
+                        y[4 * (i // 8) + i % 4] = T.if_then_else(h == (i // 4) % 2, part[0],
+                                                                 y[4 * (i // 8) + i % 4])
+            # Aik[:, c] <- x beta_c exp(g_cum_c), Aiv[:, c] <- x beta_c (bf16), each half its rows
+            for s in T.unroll(BT // 2):
+                Aik_shared[8 * (s // 4) + 4 * h + s % 4, c] = y[s] * (beta_shared[c] * T.exp2(g_shared[c]))
+                Aiv_shared[8 * (s // 4) + 4 * h + s % 4, c] = y[s] * beta_shared[c]
+            # the generic-proxy stores above must be visible to the wgmma (async proxy) reads below
+            T.fence_proxy_async()
+
+            # w <- (Ai diag(beta exp(g_cum))) K   (64 x 128 x 64, wgmma)
+            T.gemm(Aik_shared, k_shared, acc_fragment, clear_accum=True)
+            T.copy(acc_fragment, out_shared)
             for i, d in T.Parallel(BT, K):
                 if i < n:
                     w[bos + i, i_hv, d] = out_shared[i, d]
 
-            # u <- Ai diag(beta) V   (64 x 128 x 64, wgmma)
-            T.gemm(Ai_shared, v_shared, acc, clear_accum=True)
-            T.copy(acc, out_shared)
+            # u <- (Ai diag(beta)) V   (64 x 128 x 64, wgmma)
+            T.gemm(Aiv_shared, v_shared, acc_fragment, clear_accum=True)
+            T.copy(acc_fragment, out_shared)
             for i, d in T.Parallel(BT, V):
                 if i < n:
                     u[bos + i, i_hv, d] = out_shared[i, d]
 
-    return chunk_w_u_fwd
+    return chunk_fwd_intra_fwd
 
 
 # ---- promoted from kernels/gdn_fwd/s03_fused_h_o.py
@@ -375,8 +310,6 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
           else initial_state.to(torch.float32).contiguous())
     bf16, fp32 = dict(dtype=torch.bfloat16, device=device), dict(dtype=torch.float32, device=device)
     g_cum = torch.empty(B * T, HV, **fp32)
-    A = torch.empty(B * T, HV, CHUNK_SIZE, **fp32)
-    Ai = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     w, u = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, V, **bf16)
     o, ht = torch.empty(B * T, HV, V, **bf16), torch.empty(N, HV, K, V, **fp32)
     if B * T == 0:
@@ -384,12 +317,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     else:
         with nvtx_range("fwd.chunk_local_cumsum"):
             _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
-        with nvtx_range("fwd.chunk_kkt"):
-            _compiled(chunk_kkt_kernel, H, HV, K)(k, g_cum, beta, chunks, A)
-        with nvtx_range("fwd.kkt_solve"):
-            _compiled(kkt_solve_kernel, HV)(A, chunks, Ai)
-        with nvtx_range("fwd.chunk_w_u"):
-            _compiled(chunk_w_u_kernel, H, HV)(k, v, beta, Ai, g_cum, chunks, w, u)
+        with nvtx_range("fwd.chunk_fwd_intra"):
+            _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
         with nvtx_range("fwd.chunk_h_o"):
             _compiled(fused_h_o_kernel, H, HV, K, V)(q, k, w, u, g_cum, h0, seqs, scale, o, ht)
     return o.view(B, T, HV, V), (ht if output_final_state else None)

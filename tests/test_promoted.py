@@ -10,9 +10,7 @@ from flashqla.stages import load
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
-    (fwd.chunk_kkt_kernel, ("chunk_kkt", 2), "chunk_kkt_kernel", (16, 32, 128)),
-    (fwd.kkt_solve_kernel, ("kkt_solve", 1), "kkt_solve_kernel", (32,)),
-    (fwd.chunk_w_u_kernel, ("chunk_w_u", 1), "chunk_w_u_kernel", (16, 32)),
+    (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.fused_h_o_kernel, ("gdn_fwd", 3), "fused_h_o_kernel", (16, 32, 128, 128)),
 ]
 
@@ -25,7 +23,7 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
 
 def test_a_changed_kernel_is_caught():
     """The check above can fail: two different kernels print different programs."""
-    assert fwd.chunk_kkt_kernel(16, 32, 128).script() != fwd.chunk_kkt_kernel(16, 64, 128).script()
+    assert fwd.chunk_fwd_intra_kernel(16, 32).script() != fwd.chunk_fwd_intra_kernel(16, 64).script()
 
 
 @pytest.mark.parametrize("device, dtype, K, V, why", [
