@@ -1,0 +1,39 @@
+"""The benchmark's napkin math and its committed results: the README table is the CSV's."""
+
+from flashqla import bench
+from flashqla.testing import Problem
+
+
+def test_useful_flops_per_chunk_and_head():
+    # one full chunk, one value head, K = V = 128: 5 products of 64x64x128 and 3 of 64x128x128
+    assert bench.useful_flops(Problem(1, 1, (64,))) == 5 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
+    assert bench.useful_flops(Problem(2, 8, (65, 1))) == 3 * 8 * bench.useful_flops(Problem(1, 1, (64,)))
+
+
+def test_useful_bytes():
+    p = Problem(1, 2, (10,), K=4, V=8)
+    # q, k: 10x1x4, v, o: 10x2x8 in bf16; g, beta: 10x2 fp32; h0 and final state: 2x4x8 fp32
+    assert bench.useful_bytes(p) == 2 * (2 * 40 + 2 * 160) + 4 * 40 + 4 * 2 * 64
+
+
+def test_readme_table_is_regenerated_from_the_committed_csv():
+    rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
+    text = bench.README.read_text()
+    block = text[text.index(bench.BEGIN) + len(bench.BEGIN):text.index(bench.END)]
+    assert block.strip() == bench.readme_table(rows).strip(), \
+        "README results are stale: run `python -m flashqla bench --report`"
+    for r in rows:  # provenance on every row
+        assert all(r[c] for c in ("gpu", "driver", "cuda", "torch", "tilelang", "fla", "flash_qla",
+                                  "commit", "date", "method")), r
+
+
+def test_ncu_roofline_redraws_from_the_committed_csvs(tmp_path):
+    import subprocess
+    import sys
+
+    csvs = sorted(str(p) for p in bench.RESULTS.glob("ncu_*.csv"))
+    assert csvs, "no committed Nsight Compute summaries under profiles/results"
+    out = tmp_path / "roofline.png"
+    subprocess.run([sys.executable, str(bench.RESULTS.parent / "ncu_lab.py"), "report", *csvs, str(out)],
+                   check=True, capture_output=True)
+    assert out.stat().st_size > 10_000
