@@ -49,7 +49,7 @@ import torch
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by TileLang
 import tilelang
 
-from flashqla import bench
+from flashqla import bench, fwd
 from flashqla.hopper import hopper_gpu_missing
 from flashqla.stages import KERNELS_DIR, OPS, discover, load
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
@@ -446,6 +446,25 @@ for s in later:
     print("   " + s.module.__doc__.strip().splitlines()[0])
 if not later:
     print("no gdn_fwd stage after s03 in this checkout")
+
+# %% [markdown]
+# ## What the library runs: promotion
+#
+# One more fusion, at the front of the forward: `chunk_fwd_intra.s01` computes $A$, solves
+# $(I + A)^{-1}$ and forms $w$ and $u$ in one kernel per (chunk, value head), so $A$ (fp32, 64
+# values per token and head) and its inverse never reach HBM. It is its own op, checked against
+# the composition of the three references it replaces. `flashqla.chunk_gated_delta_rule` then runs,
+# on an SM90 GPU with bf16 inputs and $K = V = 128$, three kernels copied from their stages into
+# `flashqla/fwd.py`: chunk-local cumsum, this fused preparation, and s03's fused recurrence and
+# output. A test asserts that each copy builds the same TileLang program as its stage, so the
+# library runs exactly what the stage tests checked.
+
+# %%
+intra = load("chunk_fwd_intra", 1)
+print(intra.__doc__.strip().splitlines()[0])
+print()
+print(fwd.__doc__)
+print(inspect.getsource(fwd.forward))
 
 # %% [markdown]
 # ## How every stage is checked
