@@ -15,6 +15,7 @@ the checkout this package lives in, so the dependency points one way (kernels ->
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -95,7 +96,7 @@ def discover(kernels_dir: Path = KERNELS_DIR) -> list[Stage]:
     return sorted(stages, key=lambda s: (s.op, s.number))
 
 
-
+@functools.cache  # stages built from others call this on every run: search the tree once
 def load(op: str, number: int, kernels_dir: Path = KERNELS_DIR):
     """The module of stage ``op.sNN``, for stages built from earlier ones (e.g. gdn_fwd.s02 runs the
     chunk_kkt stage). Raises LookupError when the checkout has no such stage."""
