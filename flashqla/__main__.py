@@ -25,12 +25,15 @@ def main(argv=None) -> int:
     p_bench.add_argument("--csv", type=Path, default=None,
                          help="results file (default: profiles/results/gdn_fwd.csv)")
     p_bench.add_argument("--commit", default=None, help="commit to record (default: git's HEAD)")
+    p_bench.add_argument("--heads", nargs="+", default=None, metavar="H,HV",
+                         help="only these head configurations, e.g. 16,64 2,8 (default: all public)")
     p_bench.add_argument("--report", action="store_true",
                          help="only redraw the plot and the README table from the CSV (any machine)")
     args = parser.parse_args(argv)
     if args.command == "tour":
         return tour.main(args.plot)
-    return bench.main(args.commit or _commit(), args.csv, args.report)
+    heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
+    return bench.main(args.commit or _commit(), args.csv, args.report, heads)
 
 
 if __name__ == "__main__":

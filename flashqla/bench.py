@@ -170,8 +170,9 @@ def candidates() -> list[tuple[str, object, object]]:
     return rows
 
 
-def run_bench(commit: str, csv_path: Path, problems=PROBLEMS) -> list[dict]:
-    """Check, then time every row on every problem; the CSV is rewritten after each problem."""
+def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=()) -> list[dict]:
+    """Check, then time every row on every problem; the CSV (``keep``'s rows of other problems,
+    then this run's) is rewritten after each problem."""
     cands = candidates()
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
@@ -220,7 +221,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS) -> list[dict]:
                     r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
         print(time.strftime("%X"), format_rows([r for r in rows if r["problem"] == p.label]),
               sep="\n", flush=True)
-        write_csv([{**r, **meta} for r in rows], csv_path)
+        write_csv(merge_rows(list(keep), [{**r, **meta} for r in rows]), csv_path)
     return [{**r, **meta} for r in rows]
 
 
@@ -306,13 +307,27 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(commit: str, csv_path: Path | None, report: bool) -> int:
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """The CSV after a run over some problems: their old rows replaced, other problems' rows kept."""
+    done = {r["problem"] for r in new}
+    order = {p.label: i for i, p in enumerate(PROBLEMS)}
+    rows = [r for r in old if r["problem"] not in done] + new
+    return sorted(rows, key=lambda r: order.get(r["problem"], len(order)))  # stable: rows keep order
+
+
+def main(commit: str, csv_path: Path | None, report: bool, heads=None) -> int:
+    """``heads``: only the problems of these (H, HV) (a run must fit the GPU machine's 10 minutes);
+    the CSV keeps the other problems' rows from earlier runs, each row with its own provenance."""
     csv_path = csv_path or RESULTS / "gdn_fwd.csv"
     if not report:
         if not torch.cuda.is_available():
             print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
             return 1
-        rows = run_bench(commit, csv_path)
+        problems = [p for p in PROBLEMS if heads is None or (p.H, p.HV) in heads]
+        if not problems:
+            raise ValueError(f"bench: `heads` {heads} selects none of {PUBLIC_HEADS}")
+        keep = read_csv(csv_path) if heads is not None and csv_path.exists() else []
+        rows = run_bench(commit, csv_path, problems, keep)
         print(f"wrote {csv_path}")
         if any(r["method"] == "FAILED its check" for r in rows):
             return 1

@@ -16,6 +16,14 @@ def test_useful_bytes():
     assert bench.useful_bytes(p) == 2 * (2 * 40 + 2 * 160) + 4 * 40 + 4 * 2 * 64
 
 
+def test_a_partial_run_replaces_its_problems_and_keeps_the_others():
+    a, b = (p.label for p in bench.PROBLEMS[:2])
+    old = [dict(problem=a, impl="x", ms="1"), dict(problem=b, impl="x", ms="2")]
+    new = [dict(problem=a, impl="x", ms="3"), dict(problem=a, impl="y", ms="4")]
+    assert bench.merge_rows(old, new) == [*new, old[1]]
+    assert bench.merge_rows(old[1:], new) == [*new, old[1]]  # in the order of bench.PROBLEMS
+
+
 def test_readme_table_is_regenerated_from_the_committed_csv():
     rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
     text = bench.README.read_text()
