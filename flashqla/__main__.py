@@ -21,10 +21,13 @@ def main(argv=None) -> int:
     p_tour = sub.add_parser("tour", help="run every stage this machine supports, check and time it")
     p_tour.add_argument("--plot", type=Path, default=Path("flashqla-tour.png"),
                         help="where to save the plot (default: %(default)s)")
-    p_bench = sub.add_parser("bench", help="time every forward stage, FLA and FlashQLA (GPU)")
+    p_bench = sub.add_parser("bench", help="time every forward (or training-step) stage, FLA and FlashQLA (GPU)")
     p_bench.add_argument("--csv", type=Path, default=None,
                          help="results file (default: profiles/results/gdn_fwd.csv)")
     p_bench.add_argument("--commit", default=None, help="commit to record (default: git's HEAD)")
+    p_bench.add_argument("--mode", choices=("gdn_fwd", "gdn_train"), default="gdn_fwd",
+                         help="the inference forward or a training step, forward + backward "
+                              "(default: %(default)s)")
     p_bench.add_argument("--heads", nargs="+", default=None, metavar="H,HV",
                          help="only these head configurations, e.g. 16,64 2,8 (default: all public)")
     p_bench.add_argument("--report", action="store_true",
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
     if args.command == "tour":
         return tour.main(args.plot)
     heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
-    return bench.main(args.commit or _commit(), args.csv, args.report, heads)
+    return bench.main(args.commit or _commit(), args.csv, args.report, heads, args.mode)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
-TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``); the backward recomputes the
-chunked PyTorch reference in float32 and differentiates it, so training works and gradients reach
-every input. Everything else (CPU tensors, other GPUs, other dtypes, other head dims) runs the
-chunked PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device with
-autograd, after a one-time warning that says why.
+TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``); the backward runs the
+hand-derived chunked backward reference (``reference.chunk_gated_delta_rule_bwd_ref``) in float32
+from the saved inputs, so training works and gradients reach every input. Everything else (CPU
+tensors, other GPUs, other dtypes, other head dims) runs the chunked PyTorch reference in float32
+(float64 for float64 inputs) on the inputs' device with autograd, after a one-time warning that
+says why.
 
 NaN and inf: inputs are not scanned (that would cost a pass over them and a host sync). A NaN or
 inf in q, k, v, g or beta at some token poisons, for the value heads that read it, the output of
@@ -131,33 +132,36 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """The promoted kernels' forward (a CPU test puts the reference here to run _KernelForward)."""
+    from flashqla import fwd  # imported here: importing flashqla must not pull in TileLang
+
+    with nvtx_range("fwd"):
+        return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
 class _KernelForward(torch.autograd.Function):
-    """Forward on the promoted kernels; backward by differentiating the float32 reference."""
+    """Forward on the promoted kernels, saving only the inputs; backward by the hand-derived chunked
+    backward reference in float32 (float64 for float64 inputs), which recomputes the forward's
+    intermediates. The l2norm of use_qk_l2norm_in_kernel runs before, under autograd."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
-        from flashqla import fwd  # imported here: importing flashqla must not pull in TileLang
-
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.args = (scale, output_final_state, cu_seqlens)
-        with nvtx_range("fwd"):
-            return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        ctx.args = (scale, cu_seqlens)
+        return _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
     @staticmethod
     def backward(ctx, do, dht):
-        inputs = [None if x is None else x.detach().requires_grad_(x.requires_grad)
-                  for x in ctx.saved_tensors]
-        scale, output_final_state, cu_seqlens = ctx.args
-        with torch.enable_grad(), nvtx_range("bwd.reference"):
-            o, ht = _reference(*inputs[:5], scale, inputs[5], output_final_state, cu_seqlens)
-            outs, grads = [o], [do]
-            if ht is not None and dht is not None:
-                outs.append(ht)
-                grads.append(dht)
-            wanted = [x for x in inputs if x is not None and x.requires_grad]
-            got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
-        return (*[next(got) if x is not None and x.requires_grad else None for x in inputs],
-                None, None, None)
+        inputs = ctx.saved_tensors
+        scale, cu_seqlens = ctx.args
+        work = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
+        with nvtx_range("bwd.reference"):
+            grads = reference.chunk_gated_delta_rule_bwd_ref(
+                inputs[0].to(work), *inputs[1:5], do, dht, scale=scale, initial_state=inputs[5],
+                cu_seqlens=cu_seqlens)
+        return (*[d.to(x.dtype) if need and d is not None else None
+                  for d, x, need in zip(grads, inputs, ctx.needs_input_grad)], None, None, None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

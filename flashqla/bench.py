@@ -37,14 +37,16 @@ import math
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from flashqla.stages import discover
-from flashqla.testing import PUBLIC_HEADS, Problem, check_op
+from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs
 
 MIXES = ((2048,), (8192,), (32768,), (28672, 4096), (4096,) * 8)
+TRAIN_MIXES = ((8192,), (32768,), (4096,) * 8)
 PROBLEMS = [Problem(H, HV, mix) for H, HV in PUBLIC_HEADS for mix in MIXES]
 CHECK_LENGTHS = (1, 200, 777, 64, 130)
 RESULTS = Path(__file__).resolve().parent.parent / "profiles" / "results"
@@ -96,8 +98,9 @@ def input_sets(problem: Problem, l2_bytes: int) -> list[dict]:
     return [problem.inputs("cuda", seed=i) for i in range(n_sets)]
 
 
-def time_row(fn, sets: list[dict]) -> tuple[float, str]:
-    with torch.no_grad():
+def time_row(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
+    """Median ms of fn over the input sets; under torch.no_grad (inference) unless ``grad``."""
+    with torch.set_grad_enabled(grad):
         for x in sets:  # compile / autotune outside the timed region and the capture
             fn(x)
         torch.cuda.synchronize()
@@ -170,27 +173,131 @@ def candidates() -> list[tuple[str, object, object]]:
     return rows
 
 
-def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=()) -> list[dict]:
+def train_flops(p: Problem) -> int:
+    """A training step's useful FLOPs: the forward's, plus two products in the backward for each
+    forward product (dA = dY B^T, dB = A^T dY) and the solve's adjoint (2 x 2 C^3 per chunk and
+    value head: dA = -Ai^T dAi Ai^T). Recomputation is not useful work."""
+    chunks = sum(math.ceil(n / CHUNK) for n in p.lengths)
+    return 3 * useful_flops(p) + chunks * p.HV * 2 * 2 * CHUNK**3
+
+
+def train_bytes(p: Problem) -> int:
+    """What a training step must move at least: the forward's traffic, and the backward's, which
+    reads do and the final state's gradient and writes a gradient for every input: the same again."""
+    return 2 * useful_bytes(p)
+
+
+def _autograd_step(fn):
+    """fn(**inputs) -> (o, final state) as one training step: forward, then the gradients of every
+    input for the upstream gradients do and dht, returned as gdn_bwd's outputs."""
+    def step(x):
+        names = ("q", "k", "v", "g", "beta", "initial_state")
+        leaves = {n: x[n].detach().requires_grad_() for n in names}
+        with torch.enable_grad():
+            o, ht = fn(**{**x, **leaves, "output_final_state": True})
+            grads = torch.autograd.grad((o, ht), list(leaves.values()), (x["do"], x["dht"]))
+        return grads[:3] + (grads[3], grads[4], grads[5])
+    return step
+
+
+def train_candidates() -> list[tuple[str, object, object]]:
+    """(row name, step(inputs with do, dht) -> (dq, dk, dv, dg, dbeta, dh0), checked?) for a
+    training step: FLA, FlashQLA and the API through autograd; each gdn_bwd stage after the
+    promoted forward (``flashqla.fwd``)."""
+    import os
+
+    from flashqla import fwd
+    from flashqla.api import chunk_gated_delta_rule
+
+    fwd_args = ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens")
+    bwd_args = ("q", "k", "v", "g", "beta", "do", "dht", "scale", "initial_state", "cu_seqlens")
+    rows = []
+    if os.environ.get("FLA_FLASH_QLA") == "0":  # else fla routes to FlashQLA: not FLA's own row
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+            rows.append((FLA_ROW.split(" ")[0], _autograd_step(
+                lambda **x: fla_gdn(**{n: x[n] for n in fwd_args}, output_final_state=True)), False))
+        except ImportError:
+            pass
+    try:
+        import flash_qla
+
+        rows.append((FLASHQLA_ROW, _autograd_step(
+            lambda **x: flash_qla.chunk_gated_delta_rule(**{n: x[n] for n in fwd_args},
+                                                         output_final_state=True)), False))
+    except ImportError:
+        pass
+    for stage in discover():
+        if stage.op == "gdn_bwd" and not stage.missing():
+            def step(x, s=stage):
+                fwd.forward(*(x[n] for n in fwd_args[:7]), True, x["cu_seqlens"])
+                return s.module.run(**{n: x[n] for n in bwd_args})
+            rows.append((f"fwd + {stage.name}", step, True))
+    rows.append((API_ROW, _autograd_step(
+        lambda **x: chunk_gated_delta_rule(**{n: x[n] for n in fwd_args}, output_final_state=True)),
+        True))
+    return rows
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What one benchmark times: its rows, the reference that checks them, its napkin math."""
+
+    name: str               # the CSV's stem and the README's markers
+    title: str
+    problems: tuple
+    candidates: object      # () -> [(row name, fn(inputs), checked against the reference?)]
+    check_op: str           # flashqla.stages.OPS entry whose reference checks the rows
+    flops: object           # Problem -> useful FLOPs
+    bytes: object           # Problem -> compulsory HBM bytes
+    peers: tuple            # the (FLA, FlashQLA) row names, for the vs_ columns
+
+
+def _with_upstream_grads(x: dict, seed: int) -> dict:
+    """A problem's inputs plus random do (bf16) and dht (fp32): a training step's upstream gradients."""
+    gen = torch.Generator(x["v"].device).manual_seed(seed)
+    N, HV, V = x["initial_state"].shape[0], x["v"].shape[2], x["v"].shape[3]
+    do = torch.randn(x["v"].shape, generator=gen, device=x["v"].device).to(torch.bfloat16)
+    dht = torch.randn(N, HV, x["q"].shape[3], V, generator=gen, device=x["v"].device)
+    return {**x, "do": do, "dht": dht}
+
+
+FORWARD = Mode("gdn_fwd", "forward", tuple(PROBLEMS), candidates, "gdn_fwd", useful_flops,
+               useful_bytes, (FLA_ROW, FLASHQLA_ROW))
+TRAINING = Mode("gdn_train", "training step (forward + backward)",
+                tuple(Problem(H, HV, mix) for H, HV in PUBLIC_HEADS for mix in TRAIN_MIXES),
+                train_candidates, "gdn_bwd", train_flops, train_bytes, ("FLA", FLASHQLA_ROW))
+MODES = {m.name: m for m in (FORWARD, TRAINING)}
+
+
+def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mode = FORWARD) -> list[dict]:
     """Check, then time every row on every problem; the CSV (``keep``'s rows of other problems,
     then this run's) is rewritten after each problem."""
-    cands = candidates()
+    training = mode is TRAINING
+
+    def inputs(p: Problem, seed: int) -> dict:
+        x = p.inputs("cuda", seed=seed)
+        return _with_upstream_grads(x, seed) if training else x
+
+    cands = mode.candidates()
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
     # JIT-compile our TileLang rows (the stages and the API) for every head configuration, all on
     # threads (one run hung compiling in the main thread after a threaded warm-up); the peers
     # compile or autotune in their first, untimed call
-    jobs = [(fn, Problem(H, HV, (70,)).inputs("cuda")) for H, HV in heads
-            for name, fn, _ in cands if name not in (FLA_ROW, FLASHQLA_ROW)]
+    jobs = [(fn, inputs(Problem(H, HV, (70,)), 0)) for H, HV in heads
+            for name, fn, _ in cands if name not in mode.peers]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda job: job[0](job[1]), jobs))
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
-        x = Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1)
-        for name, fn, stage in cands:
-            if stage is None:
+        x = op_inputs(mode.check_op, Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1))
+        for name, fn, checked in cands:
+            if not checked:
                 continue
             try:
-                check_op("gdn_fwd", lambda **kw: fn(kw), x)
+                check_op(mode.check_op, lambda **kw: fn(kw), x)
             except AssertionError as exc:
                 failed.add(name)
                 print(f"FAILED {name} on ({H}, {HV}): {exc}")
@@ -200,14 +307,15 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=()) -> list[d
                 copy_roof_gbs=round(gbs_roof))
     rows = []
     for p in problems:
-        flops, nbytes = useful_flops(p), useful_bytes(p)
+        flops, nbytes = mode.flops(p), mode.bytes(p)
         floor_ms = max(flops / tflops_roof / 1e9, nbytes / gbs_roof / 1e6)
-        base, sets = {}, input_sets(p, l2)
+        base = {}
+        sets = [inputs(p, i) for i in range(max(1, math.ceil(2 * l2 / useful_bytes(p))))]
         for name, fn, _ in cands:
             if name in failed:
                 rows.append(dict(problem=p.label, impl=name, ms="", method="FAILED its check"))
                 continue
-            ms, method = time_row(fn, sets)
+            ms, method = time_row(fn, sets, grad=training)
             base.setdefault(name, ms)
             rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=method,
                              tflops=round(flops / ms / 1e9, 1),
@@ -217,11 +325,11 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=()) -> list[d
                              x_floor=round(ms / floor_ms, 2)))
         for r in rows:
             if r["problem"] == p.label and r["ms"] != "":
-                for peer, col in ((FLA_ROW, "vs_fla"), (FLASHQLA_ROW, "vs_flashqla")):
+                for peer, col in zip(mode.peers, ("vs_fla", "vs_flashqla")):
                     r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
         print(time.strftime("%X"), format_rows([r for r in rows if r["problem"] == p.label]),
               sep="\n", flush=True)
-        write_csv(merge_rows(list(keep), [{**r, **meta} for r in rows]), csv_path)
+        write_csv(merge_rows(list(keep), [{**r, **meta} for r in rows], mode.problems), csv_path)
     return [{**r, **meta} for r in rows]
 
 
@@ -251,21 +359,22 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def readme_table(rows: list[dict]) -> str:
+def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
     """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     meta = rows[0]
-    head = ("| problem | " + " | ".join(impls) + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n"
-            "|---|" + "---|" * (len(impls) + 4))
-    lines = [f"Forward, ms (median, {meta['gpu']}, driver {meta['driver']}, CUDA {meta['cuda']}, "
+    head = ("| problem | " + " | ".join(impls)
+            + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n" + "|" + "---|" * (len(impls) + 5))
+    lines = [f"{mode.title.capitalize()}, ms (median, {meta['gpu']}, driver {meta['driver']}, "
+             f"CUDA {meta['cuda']}, "
              f"torch {meta['torch']}, TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla "
              f"{meta['flash_qla']}, commit {meta['commit']}, {meta['date']}; roofs measured in the "
              f"same run: bf16 GEMM {meta['gemm_roof_tflops']} TFLOP/s, copy {meta['copy_roof_gbs']} "
              "GB/s). x floor: the best stage's time over the card's floor for this work. Timing, TFLOP/s, "
-             "GB/s and % of roofs per row in `profiles/results/gdn_fwd.csv`.", "", head]
+             f"GB/s and % of roofs per row in `profiles/results/{mode.name}.csv`.", "", head]
     for label in dict.fromkeys(r["problem"] for r in rows):
         got = {r["impl"]: r for r in rows if r["problem"] == label}
-        ours = [r for name, r in got.items() if name.startswith("gdn_fwd/") and r["ms"]]
+        ours = [r for name, r in got.items() if name not in (*mode.peers, API_ROW) and r["ms"]]
         best = min(ours, key=lambda r: float(r["ms"])) if ours else None
         cells = [got[i]["ms"] if i in got and got[i]["ms"] else "-" for i in impls]
         tail = ([best["impl"].split("/")[1], best["vs_fla"] or "-", best["vs_flashqla"] or "-",
@@ -274,16 +383,19 @@ def readme_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- bench:gdn_fwd:begin -->", "<!-- bench:gdn_fwd:end -->"
+def markers(mode: Mode = FORWARD) -> tuple[str, str]:
+    """The README comments between which ``mode``'s table is regenerated."""
+    return f"<!-- bench:{mode.name}:begin -->", f"<!-- bench:{mode.name}:end -->"
 
 
-def update_readme(rows: list[dict], readme: Path = README) -> None:
+def update_readme(rows: list[dict], mode: Mode = FORWARD, readme: Path = README) -> None:
     text = readme.read_text()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + "\n" + readme_table(rows) + "\n" + text[stop:])
+    begin, end = markers(mode)
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    readme.write_text(text[:start] + "\n" + readme_table(rows, mode) + "\n" + text[stop:])
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, mode: Mode = FORWARD) -> None:
     """Latency against problem, one line per implementation, log scale."""
     import matplotlib
 
@@ -298,8 +410,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, lw=1, label=impl)
     ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("forward latency (ms, log)")
-    ax.set_title(f"gdn forward on {rows[0]['gpu']} ({rows[0]['date']}, commit {rows[0]['commit']})",
+    ax.set_ylabel(f"{mode.title} latency (ms, log)")
+    ax.set_title(f"gdn {mode.title} on {rows[0]['gpu']} ({rows[0]['date']}, commit {rows[0]['commit']})",
                  fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -307,33 +419,35 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:
     """The CSV after a run over some problems: their old rows replaced, other problems' rows kept."""
     done = {r["problem"] for r in new}
-    order = {p.label: i for i, p in enumerate(PROBLEMS)}
+    order = {p.label: i for i, p in enumerate(problems)}
     rows = [r for r in old if r["problem"] not in done] + new
     return sorted(rows, key=lambda r: order.get(r["problem"], len(order)))  # stable: rows keep order
 
 
-def main(commit: str, csv_path: Path | None, report: bool, heads=None) -> int:
+def main(commit: str, csv_path: Path | None, report: bool, heads=None, mode: str = "gdn_fwd") -> int:
     """``heads``: only the problems of these (H, HV) (a run must fit the GPU machine's 10 minutes);
-    the CSV keeps the other problems' rows from earlier runs, each row with its own provenance."""
-    csv_path = csv_path or RESULTS / "gdn_fwd.csv"
+    the CSV keeps the other problems' rows from earlier runs, each row with its own provenance.
+    ``mode``: "gdn_fwd" (inference forward) or "gdn_train" (a training step)."""
+    m = MODES[mode]
+    csv_path = csv_path or RESULTS / f"{m.name}.csv"
     if not report:
         if not torch.cuda.is_available():
             print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
             return 1
-        problems = [p for p in PROBLEMS if heads is None or (p.H, p.HV) in heads]
+        problems = [p for p in m.problems if heads is None or (p.H, p.HV) in heads]
         if not problems:
             raise ValueError(f"bench: `heads` {heads} selects none of {PUBLIC_HEADS}")
         keep = read_csv(csv_path) if heads is not None and csv_path.exists() else []
-        rows = run_bench(commit, csv_path, problems, keep)
+        rows = run_bench(commit, csv_path, problems, keep, m)
         print(f"wrote {csv_path}")
         if any(r["method"] == "FAILED its check" for r in rows):
             return 1
         return 0
     rows = read_csv(csv_path)
-    plot(rows, csv_path.with_suffix(".png"))
-    update_readme(rows)
+    plot(rows, csv_path.with_suffix(".png"), m)
+    update_readme(rows, m)
     print(f"redrew {csv_path.with_suffix('.png')} and the README table from {csv_path}")
     return 0

@@ -30,6 +30,10 @@ the inputs and outputs that a kernel of that step has (FLA's names and layouts):
 Rows of ``A`` and ``Ai`` are stored per token: token t holds row (t mod C) of its chunk's C x C
 matrix. ``h`` holds the state at the start of every chunk: B' = B and NT = ceil(T / C) for
 equal-length batches; B' = 1 and NT = sum over sequences of ceil(T_n / C) for varlen.
+
+The backward (section "Backward", written by hand, not by autograd) is split the same way:
+chunk_bwd_dv_local, chunk_bwd_dhu (the reverse state recurrence), chunk_bwd_dqkwg, wy_bwd and
+chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref.
 """
 
 from __future__ import annotations
@@ -231,6 +235,31 @@ def chunk_fwd_intra(k, v, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     return chunk_w_u(k, v, beta, Ai, g_cum, cu_seqlens, chunk_size)
 
 
+def gate_free_solve(k, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """k [B, T, H, K], beta [B, T, HV] -> Ab [B, T, HV, C], rows stored per token like Ai:
+
+        Ab = A_r diag(beta),   A_r = (I + StrictLower(diag(beta) K K^T))^-1   per chunk (no gate).
+
+    Why no gate is needed: with D = diag(exp(g_cum)), chunk_kkt's A = D L D^-1 for
+    L = StrictLower(diag(beta) K K^T), so (I + A)^-1 = D A_r D^-1, that is Ai = Gamma * A_r
+    elementwise (Gamma_ij = exp(g_cum_i - g_cum_j), i >= j) and Ai diag(beta) = Gamma * Ab. Then
+    v_new = u - w h = (Gamma * Ab) (V - D K h): w and u need not exist.
+
+    Bound: below the diagonal A_r_ij = -beta_i k_i^T P_{i-1} ... P_{j+1} k_j with the chunk's
+    factors P_l = I - beta_l k_l k_l^T, and ||P_l|| = max(1, |1 - beta_l ||k_l||^2|). Where every
+    token of the chunk has beta ||k||^2 <= 2 (always true for L2-normalized keys and beta <= 2),
+    |A_r_ij| <= beta_i ||k_i|| ||k_j|| and |Ab_ij| <= 2 sqrt(beta_i beta_j). Past that, A_r can grow
+    by |1 - beta ||k||^2| a token and overflow float32 while Gamma * A_r stays small; the kernels
+    (kernels/gate_free_solve) detect such chunks and solve them with the gate instead.
+    """
+    dt = k.dtype
+    A = chunk_kkt(k, torch.zeros_like(beta, dtype=dt), beta, cu_seqlens, chunk_size)  # Gamma = 1
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    ar = _heads_first(ch.pad(kkt_solve(A, cu_seqlens, chunk_size)))   # [N, NT, HV, C, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))                             # [N, NT, HV, C]
+    return ch.unpad(_tokens_first(ar * bc[..., None, :]))             # A_r diag(beta)
+
+
 def chunk_h(k, w, u, g_cum, initial_state=None, output_final_state=False, cu_seqlens=None,
             chunk_size=CHUNK_SIZE):
     """The only sequential step: walk the chunks of every sequence in order.
@@ -301,3 +330,303 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
                                     chunk_size)
     o = chunk_o(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size)
     return o, final_state
+
+
+# ---- Context parallelism -----------------------------------------------------------------------
+#
+# A chunk's step is affine in the state: h_next = M h + b. Over a span of chunks the maps compose
+# to final = M_span h_start + Z_span, with M_span the product of the chunk transitions (the final
+# state of the same recurrence run with v = 0 from h_start = I, when K = V) and Z_span the final
+# state from h_start = 0. So segments of a sequence can run in parallel once their initial states
+# are known: chained exactly, h_{j+1} = M_j h_j + Z_j, or approximated by a warm-up, the chain run
+# from zero over the last w chunks before the segment, which is wrong by exactly M_w h_a (h_a the
+# true state where the window starts). With g_t <= 0 and 0 <= beta_t ||k_t||^2 <= 2 (so normalized
+# keys and beta <= 1) every token's map exp(g_t) (I - beta_t k_t k_t^T) has spectral norm at most
+# exp(g_t), hence ||M_w h_a|| <= exp(sum of g over the window) ||h_a|| (Frobenius norms).
+
+
+def _chunk_steps(k, v, g_cum, beta, cu_seqlens, chunk_size):
+    """(M [N, NT, HV, K, K], b [N, NT, HV, K, V] or None when v is None, the Chunking): each chunk's
+    step h -> M h + b; chunks past a sequence's end have M = I, b = 0."""
+    dt = k.dtype
+    hv = beta.shape[2]
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    Ai = kkt_solve(chunk_kkt(k, g_cum, beta, cu_seqlens, chunk_size), cu_seqlens, chunk_size)
+    kc = _heads_first(ch.pad(expand_heads(k, hv)))                  # [N, NT, HV, C, K]
+    ai = _heads_first(ch.pad(Ai.to(dt)))                            # [N, NT, HV, C, C]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                   # [N, NT, HV, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
+    g_last = gc[..., -1]
+    kd = kc * torch.exp(g_last[..., None] - gc)[..., None]          # diag(exp(g_C - g_cum)) K
+    w = ai @ ((bc * torch.exp(gc))[..., None] * kc)                 # w = Ai diag(beta exp(g_cum)) K
+    eye = torch.eye(kc.shape[-1], dtype=dt, device=kc.device)
+    M = torch.exp(g_last)[..., None, None] * eye - kd.transpose(-1, -2) @ w  # exp(g_C) I - K^T diag(.) w
+    if v is None:
+        return M, None, ch
+    u = ai @ (bc[..., None] * _heads_first(ch.pad(v.to(dt))))     # u = Ai diag(beta) V
+    return M, kd.transpose(-1, -2) @ u, ch                          # b = K^T diag(exp(g_C - g_cum)) u
+
+
+def chunk_transition(k, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """k [B, T, H, K], g_cum, beta [B, T, HV] -> M [N, NT, HV, K, K], each chunk's transition matrix:
+
+        h_next = M h + K^T diag(exp(g_C - g_cum)) u,   M = exp(g_C) I - K^T diag(exp(g_C - g_cum)) w
+
+    the product over the chunk's tokens of exp(g_t) (I - beta_t k_t k_t^T). Chunks past a
+    sequence's end (padding, NT being the longest sequence's chunk count) hold I.
+    """
+    return _chunk_steps(k, None, g_cum, beta, cu_seqlens, chunk_size)[0]
+
+
+def segment_states(k, v, g, beta, segment_chunks, initial_state=None, cu_seqlens=None,
+                   warmup_chunks=None, chunk_size=CHUNK_SIZE):
+    """The state entering every segment of L = segment_chunks chunks: segment j of sequence n is its
+    chunks [j L, (j + 1) L). Returns [N, J, HV, K, V], J = max(1, ceil(NT / L)); a segment past a
+    sequence's end gets the sequence's final state. (L = 1 gives the state entering every chunk.)
+
+    k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], initial_state [N, HV, K, V] (or zeros).
+    Without ``warmup_chunks``: exact, chained through the segments, h_{j+1} = M_j h_j + Z_j.
+    With ``warmup_chunks`` [N, J, HV] integers: segment j >= 1 of (n, head) starts instead from zero
+    w = warmup_chunks[n, j, head] chunks before it; w < 0 or w >= j L (a window reaching the
+    sequence start, run from the initial state) is exact. Computed in k's dtype.
+    """
+    dt = k.dtype
+    M, b, ch = _chunk_steps(k, v, chunk_local_cumsum(g.to(dt), cu_seqlens, chunk_size), beta,
+                            cu_seqlens, chunk_size)
+    n_seq, n_chunks, hv, kd, vd = b.shape
+    L = segment_chunks
+    J = max(1, -(-n_chunks // L))
+    h0 = b.new_zeros(n_seq, hv, kd, vd) if initial_state is None else initial_state.to(dt)
+    states = [h0]
+    if warmup_chunks is None:
+        eye = torch.eye(kd, dtype=dt, device=b.device).expand(n_seq, hv, kd, kd)
+        for j in range(1, J):
+            m_seg, z_seg = eye, torch.zeros_like(h0)
+            for c in range((j - 1) * L, min(j * L, n_chunks)):
+                m_seg, z_seg = M[:, c] @ m_seg, M[:, c] @ z_seg + b[:, c]
+            states.append(m_seg @ states[-1] + z_seg)               # h_j = M_{j-1} h_{j-1} + Z_{j-1}
+        return torch.stack(states, 1)
+    w = torch.as_tensor(warmup_chunks, device=b.device)
+    for j in range(1, J):
+        exact = (w[:, j] < 0) | (w[:, j] >= j * L)                  # [N, HV]
+        h = torch.where(exact[..., None, None], h0, torch.zeros_like(h0))
+        for c in range(min(j * L, n_chunks)):
+            active = (exact | (c >= j * L - w[:, j]))[..., None, None]
+            h = torch.where(active, M[:, c] @ h + b[:, c], h)
+        states.append(h)
+    return torch.stack(states, 1)
+
+
+# ---- Backward ----------------------------------------------------------------------------------
+#
+# The gradients of chunk_gated_delta_rule_ref, written out by hand (no autograd) and split into the
+# sub-steps a backward kernel implements (FLA's names). Per chunk and value head, with S the state
+# entering the chunk, S' the state leaving it, V~ = v_new, g = g_cum and dS' = dL/dS':
+#
+#   chunk_bwd_dv_local   dV~_loc = scale (K Q^T * Gamma^T, upper incl. diagonal) dO
+#   chunk_bwd_dhu        dV~ = dV~_loc + diag(exp(g_C - g)) K dS'        (reverse over chunks)
+#                        dS  = exp(g_C) dS' + scale Q^T diag(exp(g)) dO - W^T dV~
+#   chunk_bwd_dqkwg      dQ, dK, dW = -dV~ S^T and dg_cum from o and S'
+#   wy_bwd               through w = Ai diag(beta exp(g)) K, u = Ai diag(beta) V, Ai = (I + A)^-1
+#   chunk_local_reverse_cumsum   dg_cum -> dg (the adjoint of chunk_local_cumsum)
+#
+# Gradients w.r.t. q and k are returned with H heads: expand_heads copied each key head to
+# HV // H value heads, so its adjoint sums over each group.
+
+
+def _sum_groups(x: torch.Tensor, h: int) -> torch.Tensor:
+    """GVA, the adjoint of expand_heads: [B, T, HV, D] -> [B, T, H, D], summing groups of HV // H heads."""
+    return x if x.shape[2] == h else x.unflatten(2, (h, x.shape[2] // h)).sum(3)
+
+
+def _unpad_g_cum_grad(ch: Chunking, dgc: torch.Tensor) -> torch.Tensor:
+    """The adjoint of Chunking.pad_g_cum: [N, NT, C, HV] -> [B, T, HV].
+
+    A padding row read its chunk's last real g_cum, so its gradient is added onto that token.
+    """
+    pos = torch.arange(ch.chunk_size, device=dgc.device)
+    idx = torch.minimum(pos, ch.chunk_last[..., None])                 # [N, NT, C]
+    folded = torch.zeros_like(dgc).scatter_add(2, idx[..., None].expand_as(dgc), dgc)
+    return ch.unpad(folded)
+
+
+def chunk_bwd_dv_local(q, k, do, g_cum, scale=None, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The intra-chunk part of dL/dv_new: the transpose of chunk_o's masked score matrix times dO.
+
+    q, k [B, T, H, K], do [B, T, HV, V], g_cum [B, T, HV] -> dv_local [B, T, HV, V].
+    """
+    dt = q.dtype
+    hv = do.shape[2]
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    ch = _chunking(q, cu_seqlens, chunk_size)
+    qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
+    doc = _heads_first(ch.pad(do.to(dt)))                                          # [N, NT, HV, C, V]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
+    gamma, causal = _decay_matrix(gc, 0)
+    # P^T = (K Q^T * Gamma^T), upper incl. diagonal;  dV~_loc = scale P^T dO
+    pt = torch.where(causal, qc @ kc.transpose(-1, -2) * gamma, torch.zeros_like(gamma)).transpose(-1, -2)
+    dv = scale * (pt @ doc)
+    return ch.unpad(_tokens_first(dv))
+
+
+def chunk_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv_local, scale=None, cu_seqlens=None,
+                  chunk_size=CHUNK_SIZE):
+    """The reverse state recurrence: walk the chunks of every sequence from last to first.
+
+    q, k [B, T, H, K], w [B, T, HV, K], g_cum [B, T, HV], initial_state [N, HV, K, V] or None (only
+    whether it exists matters), dht [N, HV, K, V] or None (zero), do, dv_local [B, T, HV, V]
+    -> dh [B', NT, HV, K, V], dh0 [N, HV, K, V] (None without initial_state), dv2 [B, T, HV, V].
+
+    dh[c] is dL/dS' for the state S' LEAVING chunk c (FLA's layout, that of chunk_h's h): what
+    chunk c's k, v_new and decays feed. The last chunk of a sequence holds dht; dh0 = dL/dS for the
+    state entering its first chunk. dv2 is the full gradient of v_new (and so of u).
+
+        dV~ = dV~_loc + diag(exp(g_C - g)) K dS'
+        dS  = exp(g_C) dS' + scale Q^T diag(exp(g)) dO - W^T dV~
+    """
+    dt = q.dtype
+    hv, kd, vd = do.shape[2], q.shape[3], do.shape[3]
+    scale = kd ** -0.5 if scale is None else scale
+    ch = _chunking(q, cu_seqlens, chunk_size)
+    qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
+    wc = _heads_first(ch.pad(w.to(dt)))                                            # [N, NT, HV, C, K]
+    doc, dvc = (_heads_first(ch.pad(x.to(dt))) for x in (do, dv_local))            # [N, NT, HV, C, V]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
+    dh = qc.new_zeros(ch.num_seqs, hv, kd, vd) if dht is None else dht.to(dt)
+    grads, dv2 = [None] * ch.num_chunks, [None] * ch.num_chunks
+    for c in reversed(range(ch.num_chunks)):  # padding chunks past a sequence's end pass dS' through
+        grads[c] = dh
+        g_last = gc[:, c, :, -1]                                                   # g_cum at the chunk's end
+        # dV~ = dV~_loc + diag(exp(g_C - g)) K dS'
+        kd_ = kc[:, c] * torch.exp(g_last[..., None] - gc[:, c])[..., None]
+        dvn = dvc[:, c] + kd_ @ dh
+        # dS = exp(g_C) dS' + scale Q^T diag(exp(g)) dO - W^T dV~
+        qd = qc[:, c] * torch.exp(gc[:, c])[..., None]
+        dh = (torch.exp(g_last)[..., None, None] * dh + scale * qd.transpose(-1, -2) @ doc[:, c]
+              - wc[:, c].transpose(-1, -2) @ dvn)
+        dv2[c] = dvn
+    if ch.num_chunks:
+        dhs = ch.pack_chunks(torch.stack(grads, 1))
+        dv2_all = ch.unpad(_tokens_first(torch.stack(dv2, 1)))
+    else:
+        dhs = qc.new_zeros(ch.batch if not ch.varlen else 1, 0, hv, kd, vd)
+        dv2_all = dv_local.to(dt)
+    return dhs, (dh if initial_state is not None else None), dv2_all
+
+
+def chunk_bwd_dqkwg(q, k, v_new, g_cum, h, dv2, do, dh, scale=None, cu_seqlens=None,
+                    chunk_size=CHUNK_SIZE):
+    """Everything chunk-local that needs the states: dq, dk, dw and dL/dg_cum of chunk_o and chunk_h.
+
+    q, k [B, T, H, K], v_new, dv2, do [B, T, HV, V], g_cum [B, T, HV], h (entering) and dh (leaving,
+    from chunk_bwd_dhu) [B', NT, HV, K, V] -> dq, dk [B, T, H, K], dw [B, T, HV, K], dg [B, T, HV]
+    (w.r.t. g_cum). FLA passes w only to ask for dw; it needs no w.
+
+    g_cum enters as exp(g_i) in o's inter-chunk term, as exp(g_i - g_j) in the scores and in the
+    state update, and as exp(g_C) on S; so dg_i = q_i.dq_i - k_i.dk_i, plus at the chunk's last
+    token (the g_C of every row) k.dk_inter summed over the chunk and exp(g_C) <S, dS'>.
+    """
+    dt = q.dtype
+    hv = do.shape[2]
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    ch = _chunking(q, cu_seqlens, chunk_size)
+    qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
+    vnc, dvc, doc = (_heads_first(ch.pad(x.to(dt))) for x in (v_new, dv2, do))     # [N, NT, HV, C, V]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
+    hc, dhc = (ch.unpack_chunks(x.to(dt)) for x in (h, dh))                        # [N, NT, HV, K, V]
+    gamma, causal = _decay_matrix(gc, 0)
+    g_last = gc[..., -1:]                                                          # [N, NT, HV, 1]
+    # dP = scale (dO V~^T * Gamma), lower incl. diagonal: the gradient of Q K^T in the scores
+    dp = torch.where(causal, scale * (doc @ vnc.transpose(-1, -2)) * gamma, torch.zeros_like(gamma))
+    # dQ = scale diag(exp(g)) dO S^T + dP K
+    dq = scale * torch.exp(gc)[..., None] * (doc @ hc.transpose(-1, -2)) + dp @ kc
+    # dK = dP^T Q + diag(exp(g_C - g)) V~ dS'^T
+    dk_inter = torch.exp(g_last - gc)[..., None] * (vnc @ dhc.transpose(-1, -2))
+    dk = dp.transpose(-1, -2) @ qc + dk_inter
+    # dW = -dV~ S^T   (v_new = u - w S)
+    dw = -(dvc @ hc.transpose(-1, -2))
+    # dg_i = q_i.dq_i - k_i.dk_i;  dg_C += sum_i k_i.dk_inter_i + exp(g_C) <S, dS'>
+    dg = (qc * dq).sum(-1) - (kc * dk).sum(-1)
+    dg_last = (kc * dk_inter).sum((-1, -2)) + torch.exp(g_last[..., 0]) * (hc * dhc).sum((-1, -2))
+    dg = torch.cat([dg[..., :-1], dg[..., -1:] + dg_last[..., None]], -1)
+    h_heads = q.shape[2]
+    dq, dk = (_sum_groups(ch.unpad(_tokens_first(x)), h_heads) for x in (dq, dk))
+    return dq, dk, ch.unpad(_tokens_first(dw)), _unpad_g_cum_grad(ch, _tokens_first(dg))
+
+
+def wy_bwd(k, v, beta, Ai, g_cum, dw, du, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """Backward through the WY representation (FLA's prepare_wy_repr_bwd), per chunk:
+
+        w = Ai diag(beta exp(g)) K,  u = Ai diag(beta) V,  Ai = (I + A)^-1,
+        A = StrictLower(diag(beta) K K^T * Gamma).
+
+    k [B, T, H, K], v [B, T, HV, V], beta, g_cum [B, T, HV], Ai [B, T, HV, C], dw [B, T, HV, K],
+    du [B, T, HV, V] -> dk [B, T, H, K], dv [B, T, HV, V], dbeta [B, T, HV], dg [B, T, HV] (w.r.t. g_cum).
+    """
+    dt = k.dtype
+    hv = v.shape[2]
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    kc = _heads_first(ch.pad(expand_heads(k, hv)))                   # [N, NT, HV, C, K]
+    vc = _heads_first(ch.pad(v.to(dt)))                              # [N, NT, HV, C, V]
+    ai = _heads_first(ch.pad(Ai.to(dt)))                             # [N, NT, HV, C, C]
+    dwc = _heads_first(ch.pad(dw.to(dt)))
+    duc = _heads_first(ch.pad(du.to(dt)))
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                    # [N, NT, HV, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
+    bg = bc * torch.exp(gc)
+    ait = ai.transpose(-1, -2)
+    # dAi = dW (diag(beta exp(g)) K)^T + dU (diag(beta) V)^T
+    dai = dwc @ (bg[..., None] * kc).transpose(-1, -2) + duc @ (bc[..., None] * vc).transpose(-1, -2)
+    # gradients of diag(beta exp(g)) K and diag(beta) V:  Ai^T dW,  Ai^T dU
+    dkb, dvb = ait @ dwc, ait @ duc
+    dk = bg[..., None] * dkb
+    dv = bc[..., None] * dvb
+    kdk = (kc * dkb).sum(-1)
+    dbeta = torch.exp(gc) * kdk + (vc * dvb).sum(-1)
+    dg = bg * kdk
+    # Ai = (I + A)^-1  =>  dA = -Ai^T dAi Ai^T, kept strictly lower (A's support)
+    gamma, strict = _decay_matrix(gc, -1)
+    da = torch.where(strict, -(ait @ dai @ ait), torch.zeros_like(gamma))
+    # A = diag(beta) (K K^T * Gamma):  dbeta_i += sum_j dA_ij (K K^T * Gamma)_ij
+    dag = da * gamma * (kc @ kc.transpose(-1, -2))
+    dbeta = dbeta + dag.sum(-1)
+    # dg_i += sum_j dA_ij A_ij - sum_j dA_ji A_ji   (A_ij carries exp(g_i - g_j))
+    daa = bc[..., None] * dag
+    dg = dg + daa.sum(-1) - daa.sum(-2)
+    # d(K K^T) = diag(beta) dA * Gamma  =>  dK += (d(KK^T) + d(KK^T)^T) K
+    dkk = bc[..., None] * da * gamma
+    dk = dk + (dkk + dkk.transpose(-1, -2)) @ kc
+    return (_sum_groups(ch.unpad(_tokens_first(dk)), k.shape[2]), ch.unpad(_tokens_first(dv)),
+            ch.unpad(_tokens_first(dbeta)), _unpad_g_cum_grad(ch, _tokens_first(dg)))
+
+
+def chunk_local_reverse_cumsum(dg_cum, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """dg_cum [B, T, HV] -> dg [B, T, HV], the adjoint of chunk_local_cumsum: dg_t = sum of dg_cum_s
+    over the tokens s >= t of t's chunk (FLA's chunk_local_cumsum(..., reverse=True))."""
+    ch = _chunking(dg_cum, cu_seqlens, chunk_size)
+    return ch.unpad(ch.pad(dg_cum).flip(2).cumsum(2).flip(2))
+
+
+def chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None,
+                                   cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The chunked backward, as the composition of the sub-steps above, in q's dtype.
+
+    Recomputes the forward intermediates (g_cum, Ai, w, u, h, v_new) with the forward sub-steps, then
+    do [B, T, HV, V], dht [N, HV, K, V] or None (zero) -> dq, dk [B, T, H, K], dv [B, T, HV, V],
+    dg, dbeta [B, T, HV], dh0 [N, HV, K, V] (None when initial_state is None): the gradients of
+    <do, o> + <dht, final state> for chunk_gated_delta_rule_ref.
+    """
+    dt = q.dtype
+    k, v, g, beta, do = (x.to(dt) for x in (k, v, g, beta, do))
+    g_cum = chunk_local_cumsum(g, cu_seqlens, chunk_size)
+    Ai = kkt_solve(chunk_kkt(k, g_cum, beta, cu_seqlens, chunk_size), cu_seqlens, chunk_size)
+    w, u = chunk_w_u(k, v, beta, Ai, g_cum, cu_seqlens, chunk_size)
+    h, v_new, _ = chunk_h(k, w, u, g_cum, initial_state, False, cu_seqlens, chunk_size)
+    dv_local = chunk_bwd_dv_local(q, k, do, g_cum, scale, cu_seqlens, chunk_size)
+    dh, dh0, dv2 = chunk_bwd_dhu(q, k, w, g_cum, initial_state, dht, do, dv_local, scale, cu_seqlens,
+                                 chunk_size)
+    dq, dk, dw, dg_cum = chunk_bwd_dqkwg(q, k, v_new, g_cum, h, dv2, do, dh, scale, cu_seqlens,
+                                         chunk_size)
+    dk_wy, dv, dbeta, dg_cum_wy = wy_bwd(k, v, beta, Ai, g_cum, dw, dv2, cu_seqlens, chunk_size)
+    dg = chunk_local_reverse_cumsum(dg_cum + dg_cum_wy, cu_seqlens, chunk_size)
+    return dq, dk + dk_wy, dv, dg, dbeta, dh0

@@ -37,8 +37,16 @@ OPS = {
     "kkt_solve": (reference.kkt_solve, ("Ai",)),
     "chunk_w_u": (reference.chunk_w_u, ("w", "u")),
     "chunk_fwd_intra": (reference.chunk_fwd_intra, ("w", "u")),
+    "gate_free_solve": (reference.gate_free_solve, ("Ab",)),
     "chunk_h": (reference.chunk_h, ("h", "v_new", "final_state")),
     "chunk_o": (reference.chunk_o, ("o",)),
+    # the backward and its sub-steps
+    "gdn_bwd": (reference.chunk_gated_delta_rule_bwd_ref, ("dq", "dk", "dv", "dg", "dbeta", "dh0")),
+    "chunk_bwd_dv_local": (reference.chunk_bwd_dv_local, ("dv_local",)),
+    "chunk_bwd_dhu": (reference.chunk_bwd_dhu, ("dh", "dh0", "dv2")),
+    "chunk_bwd_dqkwg": (reference.chunk_bwd_dqkwg, ("dq", "dk", "dw", "dg")),
+    "wy_bwd": (reference.wy_bwd, ("dk", "dv", "dbeta", "dg")),
+    "chunk_local_reverse_cumsum": (reference.chunk_local_reverse_cumsum, ("dg",)),
 }
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"

@@ -34,8 +34,11 @@ ROUNDING_FLOOR = 2.0 ** -9
 PUBLIC_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16))
 
 # The dtype a kernel receives for each named input (FLA's choices): activations and the WY
-# outputs in bf16, gates, A, states in fp32.
-_BF16_INPUTS = {"q", "k", "v", "w", "u", "v_new", "Ai"}
+# outputs in bf16, gates, A, states in fp32; in the backward, do and the gradients of v_new, u, w
+# in bf16, those of gates and states (dht, dh, dg_cum) in fp32.
+_BF16_INPUTS = {"q", "k", "v", "w", "u", "v_new", "Ai", "do", "dv_local", "dv2", "du", "dw"}
+# The backward's upstream gradients: o and the final state get fixed random weights.
+_BWD_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,10 @@ def op_inputs(op: str, inputs: dict) -> dict:
     """The inputs of sub-step ``op`` for a gdn_fwd problem, as a kernel of that step receives them.
 
     Upstream intermediates come from the float64 reference, then are cast to the kernel's dtypes
-    (bf16 for activations and the WY outputs, fp32 for gates, A and states).
+    (bf16 for activations and the WY outputs, fp32 for gates, A and states). The backward ops
+    (gdn_bwd and its sub-steps) also get ``do`` [B, T, HV, V] (bf16) and ``dht`` [N, HV, K, V]
+    (fp32), drawn from a generator on the inputs' device with a fixed seed, and the backward
+    intermediates computed from them by the float64 reference.
     """
     if op == "gdn_fwd":
         return dict(inputs)
@@ -122,8 +128,11 @@ def op_inputs(op: str, inputs: dict) -> dict:
     named["w"], named["u"] = reference.chunk_w_u(k, v, beta, named["Ai"], named["g_cum"], cu)
     named["h"], named["v_new"], _ = reference.chunk_h(k, named["w"], named["u"], named["g_cum"],
                                                       named["initial_state"], False, cu)
+    params = inspect.signature(OPS[op][0]).parameters
+    if set(params) - set(named) - {"chunk_size"}:  # a backward op: it needs do, dht or their results
+        named.update(_bwd_intermediates(named))
     out = {}
-    for name in inspect.signature(OPS[op][0]).parameters:
+    for name in params:
         if name == "chunk_size":
             continue
         val = named[name]
@@ -131,6 +140,27 @@ def op_inputs(op: str, inputs: dict) -> dict:
             val = val.to(torch.bfloat16 if name in _BF16_INPUTS else torch.float32)
         out[name] = val
     return out
+
+
+def _bwd_intermediates(named: dict) -> dict:
+    """do, dht and the backward's intermediates, in float64, for the forward intermediates ``named``."""
+    q, v, cu = named["q"], named["v"], named["cu_seqlens"]
+    gen = torch.Generator(q.device).manual_seed(_BWD_SEED)
+    N = v.shape[0] if cu is None else cu.numel() - 1
+    do = torch.randn(v.shape, generator=gen, device=q.device).to(torch.bfloat16).double()
+    dht = torch.randn(N, v.shape[2], q.shape[3], v.shape[3], generator=gen, device=q.device).double()
+    x = dict(do=do, dht=dht)
+    args = (named["scale"], cu)
+    x["dv_local"] = reference.chunk_bwd_dv_local(q, named["k"], do, named["g_cum"], *args)
+    x["dh"], _, x["dv2"] = reference.chunk_bwd_dhu(q, named["k"], named["w"], named["g_cum"],
+                                                   named["initial_state"], dht, do, x["dv_local"], *args)
+    _, _, x["dw"], dg_cum = reference.chunk_bwd_dqkwg(q, named["k"], named["v_new"], named["g_cum"],
+                                                      named["h"], x["dv2"], do, x["dh"], *args)
+    x["du"] = x["dv2"]
+    dg_cum_wy = reference.wy_bwd(named["k"], v, named["beta"], named["Ai"], named["g_cum"], x["dw"],
+                                 x["du"], cu)[3]
+    x["dg_cum"] = dg_cum + dg_cum_wy
+    return x
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -73,6 +73,32 @@ def test_autograd_reaches_every_input_in_float64():
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm_in_kernel"])
+def test_kernel_path_backward_in_float64(monkeypatch, l2norm):
+    """The kernel path's autograd Function (hand-derived backward, inputs saved), run on the CPU with
+    the reference standing in for the kernels' forward: gradcheck through it, l2norm included."""
+    import flashqla.api
+
+    def reference_forward(*args):
+        o, s = flashqla.api._reference(*args)
+        return o.to(args[2].dtype), s
+
+    monkeypatch.setattr(flashqla.api, "kernel_unsupported", lambda *a: None)
+    monkeypatch.setattr(flashqla.api, "_kernel_forward", reference_forward)
+    x = cast_floats(Problem(1, 2, (1, 70, 9), K=4, V=4).inputs(), F64)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = [x[n].clone().requires_grad_() for n in names]
+
+    def f(*ts):
+        return api(**{**x, **dict(zip(names, ts))}, use_qk_l2norm_in_kernel=l2norm)
+
+    assert "_KernelForward" in type(f(*leaves)[0].grad_fn).__name__
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+    o, s = f(*leaves)
+    (o.square().sum() + s.square().sum()).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in leaves)
+
+
 def test_float32_gradients_under_strong_decay_and_partial_chunks():
     """fp32 autograd stays finite and matches float64 gradients.
 
@@ -186,9 +212,9 @@ def test_reference_path_warns_once_and_says_why():
 @pytest.mark.hopper
 def test_api_runs_the_promoted_kernels_and_trains():
     """SM90 + bf16 + K = V = 128: no fallback warning, within the derived tolerance, and the
-    gradients are those of the float32 reference (the backward recomputes it): with a loss linear
-    in o and the final state, both paths backpropagate the same weights through the same math, so
-    they agree to float32 rounding."""
+    gradients are those of the float32 reference (the backward runs the hand-derived chunked
+    backward in float32): with a loss linear in o and the final state, both paths backpropagate the
+    same weights through the same math, so they agree to float32 rounding."""
     import flashqla.api
 
     x = Problem(4, 16, (1, 300, 1000)).inputs("cuda")

@@ -27,7 +27,8 @@ def test_a_partial_run_replaces_its_problems_and_keeps_the_others():
 def test_readme_table_is_regenerated_from_the_committed_csv():
     rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
     text = bench.README.read_text()
-    block = text[text.index(bench.BEGIN) + len(bench.BEGIN):text.index(bench.END)]
+    begin, end = bench.markers()
+    block = text[text.index(begin) + len(begin):text.index(end)]
     assert block.strip() == bench.readme_table(rows).strip(), \
         "README results are stale: run `python -m flashqla bench --report`"
     for r in rows:  # provenance on every row

@@ -1,0 +1,296 @@
+"""The hand-derived chunked backward equals torch.autograd in float64: as a whole against the naive
+recurrence, and sub-step by sub-step against autograd of the forward sub-steps it inverts. Every
+check is also shown to fail when one sub-step is deliberately broken."""
+
+import inspect
+
+import pytest
+import torch
+
+from flashqla import reference as ref
+from flashqla.stages import OPS
+from flashqla.testing import Problem, cast_floats, check_op, op_inputs, rel_l2
+
+F64 = torch.float64
+
+# Lengths that are not multiples of 64 (two of length 1, empty ones), varlen and batches, GVA,
+# with and without initial state; every Problem has g = 0 heads and strong-decay heads.
+PROBLEMS = [
+    Problem(2, 4, (150,), K=16, V=32),
+    Problem(1, 3, (1, 63, 64, 65, 200, 1, 7), K=32, V=16),
+    Problem(2, 6, (100, 100), varlen=False, K=16, V=16, initial_state=False),
+    Problem(4, 8, (129, 30), K=8, V=8),
+    Problem(1, 2, (0, 1, 0), K=8, V=8),
+]
+BROKEN_PROBLEM = Problem(2, 4, (100, 1, 70), K=16, V=16)   # GVA: a missing group sum shows
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Thousands of tiny ops (the naive recurrence): a second intra-op thread only adds
+    synchronization, which costs 10x on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randn_like(x, seed):
+    return torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def autograd(fn, inputs: dict, wrt, weights):
+    """Gradients of sum_i <weights_i, fn(**inputs)_i> w.r.t. the inputs named in wrt."""
+    leaves = {n: inputs[n].clone().requires_grad_() for n in wrt}
+    outs = fn(**{**inputs, **leaves})
+    loss = sum((o * w_).sum() for o, w_ in zip(outs, weights) if w_ is not None)
+    return dict(zip(wrt, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def worst(pairs) -> float:
+    return max(rel_l2(got, want) for got, want in pairs)
+
+
+def forward_intermediates(x):
+    q, k, v, g, beta, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    g_cum = ref.chunk_local_cumsum(g, cu)
+    Ai = ref.kkt_solve(ref.chunk_kkt(k, g_cum, beta, cu), cu)
+    w, u = ref.chunk_w_u(k, v, beta, Ai, g_cum, cu)
+    h, v_new, final = ref.chunk_h(k, w, u, g_cum, x["initial_state"], True, cu)
+    return dict(g_cum=g_cum, Ai=Ai, w=w, u=u, h=h, v_new=v_new, final=final)
+
+
+# ---- the checks: each returns the worst relative L2 error over what it compares ----
+
+def check_against_naive(problem, with_dht=True):
+    """chunk_gated_delta_rule_bwd_ref == autograd of naive_recurrent_gated_delta_rule."""
+    x = cast_floats(problem.inputs(), F64)
+    o, s = ref.naive_recurrent_gated_delta_rule(**x)
+    do, dht = randn_like(o, 1), (randn_like(s, 2) if with_dht else None)
+    wrt = [n for n in LEAVES if x[n] is not None]
+    want = autograd(lambda **a: ref.naive_recurrent_gated_delta_rule(**a), x, wrt, (do, dht))
+    got = dict(zip(LEAVES, ref.chunk_gated_delta_rule_bwd_ref(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, None, x["initial_state"], x["cu_seqlens"])))
+    assert (got["initial_state"] is None) == (x["initial_state"] is None)
+    return worst((got[n], want[n]) for n in wrt)
+
+
+def check_dv_local(problem):
+    """dv_local == d<do, chunk_o> / d v_new (the states held fixed)."""
+    x = cast_floats(problem.inputs(), F64)
+    mid = forward_intermediates(x)
+    do = randn_like(mid["v_new"], 1)
+    want = autograd(lambda v_new, **_: (ref.chunk_o(x["q"], x["k"], v_new, mid["h"], mid["g_cum"],
+                                                     cu_seqlens=x["cu_seqlens"]),),
+                    {"v_new": mid["v_new"]}, ["v_new"], (do,))
+    got = ref.chunk_bwd_dv_local(x["q"], x["k"], do, mid["g_cum"], cu_seqlens=x["cu_seqlens"])
+    return rel_l2(got, want["v_new"])
+
+
+def check_dhu_dqkwg(problem):
+    """chunk_bwd_dhu and chunk_bwd_dqkwg == autograd of chunk_h + chunk_o w.r.t. q, k, w, u, g_cum, h0."""
+    x = cast_floats(problem.inputs(), F64)
+    cu, h0 = x["cu_seqlens"], x["initial_state"]
+    mid = forward_intermediates(x)
+    do, dht = randn_like(mid["v_new"], 1), randn_like(mid["final"], 2)
+
+    def fwd(q, k, w, u, g_cum, initial_state=None):
+        h, v_new, final = ref.chunk_h(k, w, u, g_cum, initial_state, True, cu)
+        return ref.chunk_o(q, k, v_new, h, g_cum, cu_seqlens=cu), final
+
+    inputs = dict(q=x["q"], k=x["k"], w=mid["w"], u=mid["u"], g_cum=mid["g_cum"], initial_state=h0)
+    wrt = [n for n in inputs if inputs[n] is not None]
+    want = autograd(fwd, inputs, wrt, (do, dht))
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], do, mid["g_cum"], cu_seqlens=cu)
+    dh, dh0, dv2 = ref.chunk_bwd_dhu(x["q"], x["k"], mid["w"], mid["g_cum"], h0, dht, do, dv_local,
+                                     cu_seqlens=cu)
+    assert dh.shape == mid["h"].shape and (dh0 is None) == (h0 is None)
+    dq, dk, dw, dg = ref.chunk_bwd_dqkwg(x["q"], x["k"], mid["v_new"], mid["g_cum"], mid["h"], dv2, do,
+                                         dh, cu_seqlens=cu)
+    pairs = [(dv2, want["u"]), (dq, want["q"]), (dk, want["k"]), (dw, want["w"]), (dg, want["g_cum"])]
+    return worst(pairs + ([(dh0, want["initial_state"])] if h0 is not None else []))
+
+
+def check_dh_per_chunk(problem):
+    """dh[:, c] == dL/d(state after c + 1 chunks), by autograd of the naive recurrence on the rest
+    of the tokens started from that state (equal-length batches)."""
+    x = cast_floats(problem.inputs(), F64)
+    mid = forward_intermediates(x)
+    do, dht = randn_like(mid["v_new"], 1), randn_like(mid["final"], 2)
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], do, mid["g_cum"])
+    dh, _, _ = ref.chunk_bwd_dhu(x["q"], x["k"], mid["w"], mid["g_cum"], None, dht, do, dv_local)
+    pairs = []
+    for c in range(dh.shape[1]):
+        t0 = min((c + 1) * 64, x["q"].shape[1])
+        head = {n: (x[n][:, :t0] if n in LEAVES[:5] else x[n]) for n in x}
+        state = ref.naive_recurrent_gated_delta_rule(**head)[1]
+        tail = {n: (x[n][:, t0:] if n in LEAVES[:5] else x[n]) for n in x}
+        want = autograd(lambda **a: ref.naive_recurrent_gated_delta_rule(**a), {**tail, "initial_state": state},
+                        ["initial_state"], (do[:, t0:], dht))
+        pairs.append((dh[:, c], want["initial_state"]))
+    return worst(pairs)
+
+
+def check_wy_bwd(problem):
+    """wy_bwd == autograd of <dw, w> + <du, u> through chunk_kkt, kkt_solve and chunk_w_u."""
+    x = cast_floats(problem.inputs(), F64)
+    cu = x["cu_seqlens"]
+    mid = forward_intermediates(x)
+    dw, du = randn_like(mid["w"], 1), randn_like(mid["u"], 2)
+
+    def fwd(k, v, beta, g_cum):
+        Ai = ref.kkt_solve(ref.chunk_kkt(k, g_cum, beta, cu), cu)
+        return ref.chunk_w_u(k, v, beta, Ai, g_cum, cu)
+
+    inputs = dict(k=x["k"], v=x["v"], beta=x["beta"], g_cum=mid["g_cum"])
+    want = autograd(fwd, inputs, list(inputs), (dw, du))
+    got = ref.wy_bwd(x["k"], x["v"], x["beta"], mid["Ai"], mid["g_cum"], dw, du, cu)
+    return worst(zip(got, want.values()))
+
+
+def check_reverse_cumsum(problem):
+    """chunk_local_reverse_cumsum == autograd of chunk_local_cumsum (its adjoint)."""
+    x = cast_floats(problem.inputs(), F64)
+    dg_cum = randn_like(x["g"], 1)
+    want = autograd(lambda g: (ref.chunk_local_cumsum(g, x["cu_seqlens"]),), {"g": x["g"]}, ["g"], (dg_cum,))
+    return rel_l2(ref.chunk_local_reverse_cumsum(dg_cum, x["cu_seqlens"]), want["g"])
+
+
+SUB_STEP_CHECKS = [check_dv_local, check_dhu_dqkwg, check_wy_bwd, check_reverse_cumsum]
+
+
+@pytest.mark.parametrize("with_dht", [True, False], ids=["dht", "no dht"])
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.label)
+def test_backward_equals_autograd_of_naive(problem, with_dht):
+    assert check_against_naive(problem, with_dht) < 1e-10
+
+
+@pytest.mark.parametrize("problem", PROBLEMS[:4], ids=lambda p: p.label)
+@pytest.mark.parametrize("check", SUB_STEP_CHECKS, ids=lambda f: f.__name__)
+def test_sub_step_equals_autograd(check, problem):
+    assert check(problem) < 1e-10
+
+
+def test_dh_is_the_gradient_of_the_state_leaving_each_chunk():
+    assert check_dh_per_chunk(Problem(2, 4, (150, 150), varlen=False, K=16, V=16)) < 1e-10
+
+
+def check_dh_varlen_layout(problem=None):
+    """Varlen dh is [1, sum of ceil(T_n / 64), HV, K, V]; a sequence's last chunk holds its dht."""
+    x = cast_floats(Problem(1, 2, (1, 130, 64), K=8, V=8).inputs(), F64)
+    mid = forward_intermediates(x)
+    do, dht = randn_like(mid["v_new"], 1), randn_like(mid["final"], 2)
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], do, mid["g_cum"], cu_seqlens=x["cu_seqlens"])
+    dh, _, _ = ref.chunk_bwd_dhu(x["q"], x["k"], mid["w"], mid["g_cum"], None, dht, do, dv_local,
+                                 cu_seqlens=x["cu_seqlens"])
+    assert dh.shape == (1, 1 + 3 + 1, 2, 8, 8)
+    return worst((dh[0, last_chunk], dht[n]) for n, last_chunk in enumerate((0, 3, 4)))
+
+
+def test_dh_varlen_layout():
+    assert check_dh_varlen_layout() == 0
+
+
+# ---- every check fails when a sub-step is broken ----
+
+def _replacing(arg, new):
+    """A breaker: the sub-step called with argument ``arg`` replaced by ``new(arg)``."""
+    def make(fn):
+        sig = inspect.signature(fn)
+
+        def broken(*args, **kw):
+            bound = sig.bind(*args, **kw)
+            bound.apply_defaults()
+            bound.arguments[arg] = new(bound.arguments[arg])
+            return fn(*bound.args, **bound.kwargs)
+        return broken
+    return make
+
+
+_zero_decay = _replacing("g_cum", torch.zeros_like)          # every decay factor dropped
+_unscaled = _replacing("scale", lambda s: 1.0)                # scale 1 instead of K^-1/2
+_no_dht = _replacing("dht", lambda d: None)                   # the final state's gradient ignored
+
+
+def _first_head_of_group(x, h):
+    """GVA without the sum: keeps the first value head of each group."""
+    return x[:, :, ::x.shape[2] // h]
+
+
+BROKEN = {  # name: (attribute of flashqla.reference, replacement built from the real one, checks)
+    "dv_local without decay": ("chunk_bwd_dv_local", _zero_decay,
+                               [check_against_naive, check_dv_local, check_dhu_dqkwg]),
+    "dv_local without scale": ("chunk_bwd_dv_local", _unscaled, [check_against_naive, check_dv_local]),
+    "dhu without decay": ("chunk_bwd_dhu", _zero_decay,
+                          [check_against_naive, check_dhu_dqkwg, check_dh_per_chunk]),
+    "dhu ignoring dht": ("chunk_bwd_dhu", _no_dht,
+                         [check_against_naive, check_dhu_dqkwg, check_dh_per_chunk, check_dh_varlen_layout]),
+    "dqkwg without decay": ("chunk_bwd_dqkwg", _zero_decay, [check_against_naive, check_dhu_dqkwg]),
+    "no GVA sum": ("_sum_groups", lambda real: _first_head_of_group,
+                   [check_against_naive, check_dhu_dqkwg, check_wy_bwd]),
+    "wy_bwd without decay": ("wy_bwd", _zero_decay, [check_against_naive, check_wy_bwd]),
+    "forward cumsum for reverse": ("chunk_local_reverse_cumsum", lambda real: ref.chunk_local_cumsum,
+                                   [check_against_naive, check_reverse_cumsum]),
+}
+BROKEN_CASES = [(name, check) for name, (_, _, checks) in BROKEN.items() for check in checks]
+
+
+@pytest.mark.parametrize("name, check", BROKEN_CASES,
+                         ids=[f"{n}-{c.__name__}" for n, c in BROKEN_CASES])
+def test_check_fails_on_broken_sub_step(monkeypatch, name, check):
+    attr, make, _ = BROKEN[name]
+    monkeypatch.setattr(ref, attr, make(getattr(ref, attr)))
+    problem = Problem(2, 4, (150, 150), varlen=False, K=16, V=16) if check is check_dh_per_chunk \
+        else BROKEN_PROBLEM
+    assert check(problem) > 1e-2
+
+
+# ---- the stage contract: check_op takes the backward ops ----
+
+BWD_OPS = ["gdn_bwd", "chunk_bwd_dv_local", "chunk_bwd_dhu", "chunk_bwd_dqkwg", "wy_bwd",
+           "chunk_local_reverse_cumsum"]
+
+
+def _in_float32(fn):
+    return lambda **x: fn(**cast_floats(x, torch.float32))
+
+
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "h0=None"])
+@pytest.mark.parametrize("op", BWD_OPS)
+def test_check_op_passes_the_reference_in_float32(op, initial_state):
+    problem = Problem(2, 4, (100, 1, 70), K=32, V=32, initial_state=initial_state)
+    inputs = op_inputs(op, problem.inputs())
+    assert inputs.get("do", torch.zeros((), dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert inputs.get("dht", torch.zeros(())).dtype == torch.float32
+    checks = check_op(op, _in_float32(OPS[op][0]), inputs)
+    names = set(OPS[op][1]) - ({"dh0"} if not initial_state else set())
+    assert {c.output for c in checks} == names
+
+
+def test_op_inputs_are_deterministic():
+    a, b = (op_inputs("gdn_bwd", Problem(1, 2, (70,), K=8, V=8).inputs()) for _ in range(2))
+    assert torch.equal(a["do"], b["do"]) and torch.equal(a["dht"], b["dht"])
+
+
+def _bwd_with_broken_dhu(**x):
+    """gdn_bwd whose chunk_bwd_dhu drops the decays (patched for this call only)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ref, "chunk_bwd_dhu", _zero_decay(ref.chunk_bwd_dhu))
+        return ref.chunk_gated_delta_rule_bwd_ref(**x)
+
+
+BROKEN_OPS = {
+    "gdn_bwd": _bwd_with_broken_dhu,
+    "chunk_bwd_dv_local": _zero_decay(ref.chunk_bwd_dv_local),
+    "chunk_bwd_dhu": _zero_decay(ref.chunk_bwd_dhu),
+    "chunk_bwd_dqkwg": _zero_decay(ref.chunk_bwd_dqkwg),
+    "wy_bwd": _zero_decay(ref.wy_bwd),
+    "chunk_local_reverse_cumsum": lambda dg_cum, cu_seqlens=None: ref.chunk_local_cumsum(dg_cum, cu_seqlens),
+}
+
+
+@pytest.mark.parametrize("op", BWD_OPS)
+def test_check_op_fails_on_broken_backward(op):
+    with pytest.raises(AssertionError, match=f"{op}: wrong answer"):
+        check_op(op, _in_float32(BROKEN_OPS[op]), op_inputs(op, BROKEN_PROBLEM.inputs()))
