@@ -1,9 +1,11 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
-TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``); the backward runs the
-hand-derived chunked backward reference (``reference.chunk_gated_delta_rule_bwd_ref``) in float32
-from the saved inputs, so training works and gradients reach every input. Everything else (CPU
+TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``) and so does the backward
+(``flashqla.bwd``, promoted from ``kernels/gdn_bwd``): autograd saves only the inputs, the backward
+recomputes the forward's intermediates, and gradients reach every input, ``initial_state``
+included. Neither direction synchronizes with the host, so a training step can be captured in a
+CUDA graph (``cu_seqlens`` is checked on the host only outside capture). Everything else (CPU
 tensors, other GPUs, other dtypes, other head dims) runs the chunked PyTorch reference in float32
 (float64 for float64 inputs) on the inputs' device with autograd, after a one-time warning that
 says why.
@@ -82,14 +84,17 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
             _fail("cu_seqlens", "1-D with at least 2 entries [0, ..., T]", f"shape {tuple(cu_seqlens.shape)}")
         if B != 1:
             _fail("q", "batch size 1 when cu_seqlens is given (sequences are packed along T)", f"B = {B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0:
-            _fail("cu_seqlens", "starting at 0", f"cu_seqlens[0] = {cu[0]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            _fail("cu_seqlens", "non-decreasing", cu if len(cu) <= 16 else "a decreasing step")
-        if cu[-1] != T:
-            _fail("cu_seqlens", f"ending at T = {T}", f"cu_seqlens[-1] = {cu[-1]}")
-        N = len(cu) - 1
+        N = cu_seqlens.numel() - 1
+        # reading the values syncs with the GPU, which a CUDA graph capture forbids: a graph
+        # replays what its eager runs checked
+        if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0:
+                _fail("cu_seqlens", "starting at 0", f"cu_seqlens[0] = {cu[0]}")
+            if any(b < a for a, b in zip(cu, cu[1:])):
+                _fail("cu_seqlens", "non-decreasing", cu if len(cu) <= 16 else "a decreasing step")
+            if cu[-1] != T:
+                _fail("cu_seqlens", f"ending at T = {T}", f"cu_seqlens[-1] = {cu[-1]}")
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4, (torch.float32, torch.float64))
         if tuple(initial_state.shape) != (N, HV, K, V):
@@ -140,10 +145,18 @@ def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, 
         return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
+def _kernel_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
+    """The promoted kernels' backward (the CPU test puts the reference backward here)."""
+    from flashqla import bwd  # imported here: importing flashqla must not pull in TileLang
+
+    with nvtx_range("bwd"):
+        return bwd.backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens)
+
+
 class _KernelForward(torch.autograd.Function):
-    """Forward on the promoted kernels, saving only the inputs; backward by the hand-derived chunked
-    backward reference in float32 (float64 for float64 inputs), which recomputes the forward's
-    intermediates. The l2norm of use_qk_l2norm_in_kernel runs before, under autograd."""
+    """Forward and backward on the promoted kernels, saving only the inputs: the backward recomputes
+    the forward's intermediates. dq, dk, dv, dg, dbeta come back in their inputs' dtypes, dh0 in
+    initial_state's (float32). The l2norm of use_qk_l2norm_in_kernel runs before, under autograd."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
@@ -155,11 +168,7 @@ class _KernelForward(torch.autograd.Function):
     def backward(ctx, do, dht):
         inputs = ctx.saved_tensors
         scale, cu_seqlens = ctx.args
-        work = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
-        with nvtx_range("bwd.reference"):
-            grads = reference.chunk_gated_delta_rule_bwd_ref(
-                inputs[0].to(work), *inputs[1:5], do, dht, scale=scale, initial_state=inputs[5],
-                cu_seqlens=cu_seqlens)
+        grads = _kernel_backward(*inputs[:5], do, dht, scale, inputs[5], cu_seqlens)
         return (*[d.to(x.dtype) if need and d is not None else None
                   for d, x, need in zip(grads, inputs, ctx.needs_input_grad)], None, None, None)
 

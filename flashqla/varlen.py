@@ -17,7 +17,9 @@ one loads nothing and stores nothing. Without cu_seqlens NT = B ceil(T / C) exac
 Building the table takes about 20 small launches (~0.3 ms of host time), so the last table is
 kept and returned again while the same ``cu_seqlens`` tensor, unmodified, comes back (every GDN
 layer of a model step passes the same one), as FLA does with its chunk indices. A table that
-came from the cache launches nothing, so it can be used inside CUDA-graph capture.
+came from the cache launches nothing. Inside CUDA-graph capture the table is always built anew, in
+the graph: a graph must own the memory it reads, and a cached table is freed when a later call
+replaces it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ _last_table: dict = {}
 def chunk_table(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_size: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(bounds int32 [NT, 2], first_chunk int32 [N + 1]); see the module docstring."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_chunk_table(cu_seqlens, batch, seqlen, chunk_size, device)
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, chunk_size, str(device))
     if _last_table.get("key") == key and (cu_seqlens is None or _last_table["cu"]() is cu_seqlens):

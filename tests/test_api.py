@@ -9,7 +9,7 @@ import torch
 
 import flashqla
 from flashqla import reference as ref
-from flashqla.testing import Problem, cast_floats, check_op, rel_l2
+from flashqla.testing import Problem, cast_floats, check_op, op_inputs, rel_l2
 
 F64 = torch.float64
 api = flashqla.chunk_gated_delta_rule
@@ -75,16 +75,21 @@ def test_autograd_reaches_every_input_in_float64():
 
 @pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm_in_kernel"])
 def test_kernel_path_backward_in_float64(monkeypatch, l2norm):
-    """The kernel path's autograd Function (hand-derived backward, inputs saved), run on the CPU with
-    the reference standing in for the kernels' forward: gradcheck through it, l2norm included."""
+    """The kernel path's autograd Function (inputs saved, the backward recomputing the rest), run on
+    the CPU with the references standing in for the kernels: gradcheck through it, l2norm included."""
     import flashqla.api
 
     def reference_forward(*args):
         o, s = flashqla.api._reference(*args)
         return o.to(args[2].dtype), s
 
+    def reference_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
+        return ref.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, scale=scale,
+                                                  initial_state=initial_state, cu_seqlens=cu_seqlens)
+
     monkeypatch.setattr(flashqla.api, "kernel_unsupported", lambda *a: None)
     monkeypatch.setattr(flashqla.api, "_kernel_forward", reference_forward)
+    monkeypatch.setattr(flashqla.api, "_kernel_backward", reference_backward)
     x = cast_floats(Problem(1, 2, (1, 70, 9), K=4, V=4).inputs(), F64)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     leaves = [x[n].clone().requires_grad_() for n in names]
@@ -208,33 +213,98 @@ def test_reference_path_warns_once_and_says_why():
         api(**x)  # the same reason does not warn twice
 
 
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+# varlen with lengths 1 and 64, GVA and not, with and without initial state; dht is always given
+KERNEL_PATH_PROBLEMS = [Problem(4, 16, (1, 200, 777, 64, 130)), Problem(16, 16, (1000,)),
+                        Problem(4, 16, (333, 333), varlen=False, initial_state=False)]
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels():
+    """Compile the forward's and the backward's kernels for the heads of the tests below, in parallel."""
+    import concurrent.futures
+
+    from flashqla import bwd, fwd
+
+    jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
+        (fwd.chunk_local_cumsum_kernel, HV), (fwd.chunk_fwd_intra_kernel, H, HV),
+        (fwd.fused_h_o_kernel, H, HV, 128, 128), (bwd.chunk_kkt_kernel, H, HV, 128),
+        (bwd.kkt_solve_kernel, HV), *((b, H, HV) for b in (
+            bwd.chunk_w_u_kernel, bwd.chunk_h_kernel, bwd.chunk_bwd_dv_local_kernel,
+            bwd.chunk_bwd_dhu_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel)))]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda job: fwd._compiled(*job), jobs))
+
+
+def _api_grads(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
+    """The gdn_bwd op through the API: the gradients of <do, o> + <dht, final state> by autograd."""
+    x = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items() if t is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the reference
+        o, s = api(**{**x, **leaves}, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens)
+    assert "_KernelForward" in type(o.grad_fn).__name__
+    grads = dict(zip(leaves, torch.autograd.grad((o, s), list(leaves.values()), (do, dht))))
+    for n, t in leaves.items():
+        assert grads[n].dtype == t.dtype and grads[n].is_cuda, n
+    return tuple(grads.get(n) for n in LEAVES)
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
-def test_api_runs_the_promoted_kernels_and_trains():
-    """SM90 + bf16 + K = V = 128: no fallback warning, within the derived tolerance, and the
-    gradients are those of the float32 reference (the backward runs the hand-derived chunked
-    backward in float32): with a loss linear in o and the final state, both paths backpropagate the
-    same weights through the same math, so they agree to float32 rounding."""
+@pytest.mark.parametrize("problem", KERNEL_PATH_PROBLEMS, ids=lambda p: p.label)
+def test_api_runs_the_promoted_kernels_and_trains(problem, compiled_kernels):
+    """SM90 + bf16 + K = V = 128: no fallback warning, and the forward's outputs and the backward's
+    gradients, every input's, initial_state's included, within the derived tolerance."""
     import flashqla.api
 
-    x = Problem(4, 16, (1, 300, 1000)).inputs("cuda")
+    x = problem.inputs("cuda")
     assert flashqla.api.kernel_unsupported(x["q"].device, x["q"].dtype, 128, 128) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_op("gdn_fwd", api, x)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    leaves = {n: x[n].clone().requires_grad_() for n in names}
-    o, s = api(**{**x, **leaves})
-    w_o, w_s = torch.randn_like(o).float(), torch.randn_like(s)  # w_o exact in bf16, like do
-    ((o.float() * w_o).sum() + (s * w_s).sum()).backward()
-    ref = {n: x[n].clone().requires_grad_() for n in names}
-    x_ref = {n: v for n, v in x.items() if n not in names}
-    o_ref, s_ref = flashqla.api._reference(**x_ref, **ref)
-    ((o_ref * w_o).sum() + (s_ref * w_s).sum()).backward()
-    for n in names:
-        grad = leaves[n].grad
-        assert grad is not None and grad.is_cuda and torch.isfinite(grad).all(), n
-        assert rel_l2(grad, ref[n].grad) < 1e-5, n
+    checks = check_op("gdn_bwd", _api_grads, op_inputs("gdn_bwd", x))
+    assert {c.output for c in checks} == {"dq", "dk", "dv", "dg", "dbeta"} | (
+        {"dh0"} if problem.initial_state else set())
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_training_step_replays_in_a_cuda_graph(compiled_kernels):
+    """Forward and backward through the API, varlen, captured in one CUDA graph: its replay gives
+    eager's outputs and gradients bit for bit, and again after the inputs change in place."""
+    x = KERNEL_PATH_PROBLEMS[0].inputs("cuda")
+    leaves = {n: x[n].clone().requires_grad_() for n in LEAVES}
+    gen = torch.Generator("cuda").manual_seed(1)
+    w_o = torch.randn(x["v"].shape, generator=gen, device="cuda")
+    w_s = torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        o, s = api(**{**x, **leaves})
+        ((o.float() * w_o).sum() + (s * w_s).sum()).backward()
+        return [o.detach(), s.detach()] + [leaves[n].grad for n in LEAVES]
+
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for changed in (False, True):
+        if changed:
+            with torch.no_grad():
+                leaves["v"].mul_(-1)                          # new inputs, same tensors
+                leaves["initial_state"].mul_(0.5)
+            eager = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, want in zip(("o", "final_state", *LEAVES), captured, eager):
+            assert torch.equal(got, want), (name, changed, rel_l2(got, want))
 
 
 @pytest.mark.gpu
