@@ -591,8 +591,8 @@ assert recompute[0] < write_read[-1] < bwd_floor
 # chain can start, unless the two are fused into one pass. Keeping only the per-chunk states (the
 # green squares) removes that chain from the backward for 512 bytes per token (bf16), and `v_new`
 # then follows from them in parallel. FLA keeps $\mathcal{T}$;
-# `flashqla.chunk_gated_delta_rule` keeps only the inputs, and its backward (for now
-# `chunk_gated_delta_rule_bwd_ref` in float32) recomputes the rest.
+# `flashqla.chunk_gated_delta_rule` keeps only the inputs, and its backward (the promoted kernels
+# of `flashqla/bwd.py`) recomputes the rest.
 #
 # ## Summary
 #
