@@ -1,0 +1,206 @@
+"""AutoCP: cut long sequences into segments that run in parallel on one GPU, planned on the device.
+
+The chain over chunks is the only sequential part of the forward: one chain per (sequence, value
+head), so a few heads on one long sequence leave most SMs idle. Cut every sequence into segments
+of L chunks; the kernel then runs one chain per (segment, head), all at once, as a varlen problem
+whose "sequences" are the segments, once every segment's initial state is known
+(``flashqla.reference``, section "Context parallelism"):
+
+    exact       h_{j+1} = M_j h_j + Z_j: M_j the product of segment j's chunk transitions (K x K),
+                Z_j its final state from zero; a short sequential loop over the segments
+    warm-up     h_{j+1} ~ the chain run from zero over the last w chunks of segment j, wrong by
+                M_w h_a, at most exp(sum of g over those chunks) ||h_a|| when g_t <= 0 and
+                0 <= beta_t ||k_t||^2 <= 2 (normalized keys and beta <= 1 satisfy it)
+
+Per (segment, value head) w is the number of chunks, counted back from the segment start, until
+the cumulative log decay falls to ``THRESHOLD`` (FlashQLA's -10: error <= e^-10 ~ 4.5e-5 of the
+state where the window starts). Heads that do not reach it within the previous segment or
+MAX_WARMUP_CHUNKS (g = 0 heads, nearly non-decaying ones) take the exact path, as do heads whose previous segment has a token breaking the bound's
+conditions (unnormalized keys, beta > 1, g > 0): that fallback is decided on the device, per
+(segment, head), so nothing is assumed about the caller.
+
+Everything here is a pure function of host integers (tokens, sequences, heads, SM count) and
+device tensors; nothing reads a device value on the host, so a forward using it can be captured in
+a CUDA graph, and the same inputs give the same plan every time. The number of segments depends
+on the lengths, which live on the device, so, like ``flashqla.varlen``'s chunk table, the segment
+table has a host-known number of rows (an upper bound) and its rows past the real segments are
+empty, [T, T).
+
+Segments are numbered two ways. ``bounds`` lists them packed in token order (segment rows, what the
+chain + output kernel reads as cu_seqlens). The warm-up and the chaining work on slots j * N + n,
+"segment j of sequence n", J slots per sequence (J a host-known bound), so that chaining step j is
+one batched matmul over contiguous memory; slots past a sequence's last segment do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from flashqla.varlen import seq_bounds
+
+THRESHOLD = -10.0          # cumulative log decay at which a warm-up window is long enough
+MIN_SEGMENT_CHUNKS = 8     # shortest segment (512 tokens): shorter ones cost more to start than they save
+MAX_SEGMENTS = 32          # most segments per sequence: the length of the sequential chaining loop
+MAX_WARMUP_CHUNKS = 64     # longest warm-up (4096 tokens, |g| >= 0.0025 a token); beyond it: exact
+MIN_SAVED_CHUNKS = 40      # fixed device cost of the plan and the chaining, in chunk steps of the
+                           # fused kernel: ~0.13 ms against ~3.6 us a step (H200, s03, measured in
+                           # profiles/autocp_lab.py); CP must save more chunk steps than that
+CHUNK_SIZE = 64
+
+
+def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_heads: int,
+                   num_sms: int, ctas_per_head: int, force: bool | int | None = None) -> int:
+    """The decision rule: chunks per segment L, or 0 for no split. Host integers only.
+
+    Without CP the chain kernel runs lanes = num_heads x ctas_per_head CTAs per sequence, each as
+    long as its sequence; the longest (max_seq_tokens, a bound for varlen) sets the time. With
+    segments of L chunks there are at most chunks / L + num_seqs of them (one partial segment per
+    sequence), and they all run in one wave when lanes (chunks / L + num_seqs) <= SMs: L is the
+    smallest such length, but at least MIN_SEGMENT_CHUNKS and 1 / MAX_SEGMENTS of the longest
+    sequence, then evened out over the J segments of the longest sequence. Cost model, in chunk
+    steps of the fused kernel: phase 3 takes L, phase 1 at most L steps of a chain without the
+    output, about half as long each (s03: 1.7 against 3.6 us a chunk), plus a fixed cost of
+    MIN_SAVED_CHUNKS; without CP, the longest sequence's chunks. Automatic (``force`` None):
+    split when J >= 2 (so about half the SMs or more would idle) and longest - 1.5 L >=
+    MIN_SAVED_CHUNKS. ``force``: False never splits, True splits with this L even when J = 1, an
+    int is L itself. (Eager calls add about 1.4 ms of host time that this does not count.)
+    """
+    if force is False or num_tokens == 0:
+        return 0
+    if not isinstance(force, bool) and isinstance(force, int):
+        if force < 1:
+            raise ValueError(f"autocp: `force` as segment length must be >= 1 chunk; got {force}")
+        return force
+    chunks = -(-num_tokens // CHUNK_SIZE)
+    longest = -(-max_seq_tokens // CHUNK_SIZE)
+    lanes = num_heads * ctas_per_head
+    free = num_sms - lanes * num_seqs                  # SMs that idle without CP
+    fit = -(-lanes * chunks // free) if free > 0 else longest
+    L = max(MIN_SEGMENT_CHUNKS, -(-longest // MAX_SEGMENTS), fit)
+    J = -(-longest // L)
+    L = -(-longest // J)                               # J segments of (nearly) equal length
+    if force is None and (J < 2 or 2 * longest - 3 * L < 2 * MIN_SAVED_CHUNKS):
+        return 0
+    return L
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the segments are. S = segment rows (a bound), J = slots per sequence, N = sequences."""
+
+    segment_chunks: int         # L: chunks per segment (the last one of a sequence may be shorter)
+    num_seqs: int               # N
+    max_segments: int           # J: segments of the longest possible sequence
+    bounds: torch.Tensor        # int32 [S + 1]: the segments as cu_seqlens; rows past the last real one [T, T)
+    slot_of_segment: torch.Tensor  # int64 [S]: slot j * N + n of each segment row (0 for empty rows)
+    last_segment: torch.Tensor  # int64 [N]: row of each sequence's last segment (an empty sequence has one)
+    slot_start: torch.Tensor    # int32 [J * N]: first token of segment j of sequence n (its end if none)
+    slot_warm: torch.Tensor     # bool [J * N]: segment j >= 1 exists, so segment j - 1 has L full chunks
+
+
+_last_plan: dict = {}
+
+
+def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: int, num_sms: int,
+         ctas_per_head: int, device: torch.device, force: bool | int | None = None) -> Plan | None:
+    """The segment table for inputs [batch, seqlen] (or varlen ``cu_seqlens`` with batch 1), or None
+    when ``segment_chunks`` decides not to split. Built on the device; the last plan is returned
+    again for the same, unmodified ``cu_seqlens`` tensor (as ``flashqla.varlen.chunk_table``)."""
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    num_tokens = batch * seqlen
+    longest = seqlen if cu_seqlens is None else num_tokens
+    L = segment_chunks(num_tokens, num_seqs, longest, num_heads, num_sms, ctas_per_head, force)
+    if not L or num_seqs == 0:
+        return None
+    key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
+           batch, seqlen, L, str(device))
+    if _last_plan.get("key") == key and (cu_seqlens is None or _last_plan["cu"]() is cu_seqlens):
+        return _last_plan["value"]
+    value = _build_plan(cu_seqlens, batch, seqlen, L, device)
+    _last_plan.update(key=key, value=value, cu=None if cu_seqlens is None else weakref.ref(cu_seqlens))
+    return value
+
+
+def _build_plan(cu_seqlens, batch, seqlen, L, device) -> Plan:
+    seqs = seq_bounds(cu_seqlens, batch, seqlen, device).long()     # [N + 1]
+    N, T, span = seqs.shape[0] - 1, batch * seqlen, CHUNK_SIZE * L
+    longest = seqlen if cu_seqlens is None else T
+    J = max(1, -(-longest // span))
+    # rows: sum over sequences of max(1, ceil(len / span)) <= floor(T / span) + N
+    rows = N * J if cu_seqlens is None else T // span + N
+    count = ((seqs[1:] - seqs[:-1] + span - 1) // span).clamp(min=1)  # segments of each sequence
+    first = torch.cat([count.new_zeros(1), count.cumsum(0)])        # [N + 1] first row of each
+    r = torch.arange(rows, device=device)
+    seq = torch.searchsorted(first[1:], r, right=True)              # N past the real rows
+    real = seq < N
+    seq_c = seq.clamp(max=N - 1)
+    j = r - first[seq_c]
+    start = torch.where(real, torch.minimum(seqs[seq_c] + span * j, seqs[seq_c + 1]), T)
+    bounds = torch.cat([start, torch.full((1,), T, dtype=start.dtype, device=device)])
+    jj = torch.arange(J, device=device)[:, None]                    # slots [J, N]
+    slot_start = torch.minimum(seqs[None, :-1] + span * jj, seqs[None, 1:])
+    slot_warm = (jj >= 1) & (jj < count[None])
+    return Plan(L, N, J, bounds.to(torch.int32), torch.where(real, j * N + seq_c, 0),
+                first[1:] - 1, slot_start.reshape(-1).to(torch.int32), slot_warm.reshape(-1))
+
+
+def bound_violations(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """k [B, T, H, K], g, beta [B, T, HV] -> int32 [HV B T + 1]: exclusive prefix counts, over the
+    tokens of value head 0, then head 1, ..., of the tokens where the warm-up bound's conditions
+    fail (g_t > 0, beta_t ||k_t||^2 outside [0, 2], or NaN). One flat integer scan: fast and
+    deterministic (a scan along the token axis of [B T, HV] walks the tokens one at a time,
+    milliseconds at 65536 tokens)."""
+    B, T, H, _ = k.shape
+    HV = g.shape[2]
+    kk = torch.linalg.vector_norm(k.reshape(B * T, H, -1), dim=-1,
+                                  dtype=torch.promote_types(k.dtype, torch.float32)).square()
+    kk = kk.t()[:, None, :].expand(H, HV // H, B * T).reshape(HV, B * T)  # value head i: key head i // (HV // H)
+    step = beta.reshape(B * T, HV).t() * kk
+    ok = (g.reshape(B * T, HV).t() <= 0) & (step >= 0) & (step <= 2)  # NaN compares False: not ok
+    bad = (~ok).to(torch.int32).reshape(-1).cumsum(0, dtype=torch.int32)
+    return torch.cat([bad.new_zeros(1), bad])
+
+
+def warmup(p: Plan, g_cum: torch.Tensor, violations: torch.Tensor, threshold: float = THRESHOLD):
+    """Per slot and value head: (window start int32 [J N, HV], exact int32 [J N, HV], warm-up
+    chunks int32 [J N, HV]).
+
+    g_cum [B T, HV] is the chunk-local cumulative sum of g, so at a chunk's last token it is the
+    chunk's log decay. For segment j >= 1 of a sequence, w is the fewest chunks before its start
+    whose log decays sum to <= threshold; exact (window = the whole previous segment, L chunks)
+    when no w <= min(L, MAX_WARMUP_CHUNKS) does, or when ``violations`` (``bound_violations``)
+    counts a token of the previous segment. Slots without a warm-up (first segments, slots past
+    a sequence's end) get an empty window, w = 0. The running sums are a float64 product with a
+    triangular matrix of ones (deterministic; torch flags float cumsum on CUDA as not).
+    """
+    L, W = p.segment_chunks, min(p.segment_chunks, MAX_WARMUP_CHUNKS)
+    num_tokens, HV = g_cum.shape
+    s = p.slot_start.long()                                         # [J N] segment starts
+    back = torch.arange(W, device=s.device)
+    last = (s[:, None] - CHUNK_SIZE * back - 1).clamp(min=0)        # last token of the i-th chunk back
+    ones = torch.ones(W, W, dtype=torch.float64, device=s.device).triu()
+    decay = g_cum[last].transpose(1, 2).double() @ ones             # [J N, HV, W] over the last i + 1 chunks
+    short = (decay > threshold).sum(2)                              # chunks that stay above it
+    head = num_tokens * torch.arange(HV, device=s.device)
+    before = (s - CHUNK_SIZE * L).clamp(min=0)
+    bad = violations[s[:, None] + head] - violations[before[:, None] + head] > 0  # [J N, HV]
+    warm = p.slot_warm[:, None]
+    exact = warm & ((short == W) | bad)
+    chunks = torch.where(warm, torch.where(exact, L, short + 1), 0)
+    return ((s[:, None] - CHUNK_SIZE * chunks).to(torch.int32), exact.to(torch.int32),
+            chunks.to(torch.int32))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host query, no synchronization)."""
+    device = torch.device(device)
+    return _num_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,345 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # AutoCP: context parallelism inside one GPU
+#
+# The chunked forward of chapter 2 leaves one sequential part: the chain of state updates, one
+# walk over the chunks per (sequence, value head). The fused kernel of chapter 3 runs that walk in
+# one CTA per (sequence, value head, 64 value columns): with 8 value heads and one sequence of
+# 32768 tokens that is 16 CTAs on a 132-SM card, each walking 512 chunks, and 116 SMs idle.
+#
+# FlashQLA's answer, *gate-driven intra-card context parallelism*, cuts each sequence into segments
+# that walk in parallel. This chapter derives why that is allowed (the chain is affine in the
+# state), why a cheap approximation of each segment's initial state is good enough for decaying
+# heads (a bound, checked in float64), what the heads that do not decay need instead (the exact
+# chunk transition matrix), how `flashqla.autocp` plans the split on the device without a host
+# synchronization (so the forward can be captured in a CUDA graph, which FlashQLA's host-side
+# planning prevents), and what it buys, measured (stage `gdn_fwd.s06`).
+
+# %%
+import csv
+import inspect
+import itertools
+import math
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import Rectangle
+
+from flashqla import autocp, reference
+from flashqla.stages import KERNELS_DIR, load
+from flashqla.testing import PUBLIC_HEADS, Problem, cast_floats, rel_l2
+
+torch.manual_seed(0)
+f64 = torch.float64
+C = reference.CHUNK_SIZE
+RESULTS = KERNELS_DIR.parent / "profiles" / "results"
+
+# %% [markdown]
+# ## 1. The chain is affine in the state
+#
+# Per token, with state $h$ ($K \times V$):
+#
+# $$h \leftarrow \exp(g_t)\,(I - \beta_t k_t k_t^\top)\, h + \beta_t k_t v_t^\top .$$
+#
+# Every step is $h \mapsto A_t h + B_t$ with $A_t$ independent of $h$ and of $v$, so any span of
+# tokens composes to
+#
+# $$h_\text{end} = M\, h_\text{start} + Z, \qquad M = A_n \cdots A_1, \qquad Z = \text{the final state from } h_\text{start} = 0 .$$
+#
+# Over one chunk, in the WY form of chapter 2, $M = e^{g_C} I - K^\top \operatorname{diag}(e^{g_C - g}) W$
+# (`reference.chunk_transition`). Two facts make $M$ cheap to get with the kernels we already
+# have: $M$ is the final state of the same recurrence run with $v = 0$ from $h_\text{start} = I$
+# (when $K = V$, as here), and $Z$ is the final state run from zero. Checked in float64:
+
+# %%
+p = Problem(2, 4, (900, 300), K=32, V=32)
+x = cast_floats(p.inputs(), f64)
+cu = x["cu_seqlens"]
+M = reference.chunk_transition(x["k"], reference.chunk_local_cumsum(x["g"], cu), x["beta"], cu)
+product = torch.eye(32, dtype=f64).expand(2, 4, 32, 32)
+for c in range(M.shape[1]):                       # M of each whole sequence: the chunks' product
+    product = M[:, c] @ product
+v0 = torch.zeros_like(x["v"])
+_, from_identity = reference.naive_recurrent_gated_delta_rule(
+    x["q"], x["k"], v0, x["g"], x["beta"], initial_state=torch.eye(32, dtype=f64).expand(2, 4, 32, 32),
+    output_final_state=True, cu_seqlens=cu)
+print("chunk transitions per sequence:", tuple(M.shape), "  [N, NT, HV, K, K]")
+print(f"product of chunk transitions vs run with v = 0 from I: rel err {rel_l2(product, from_identity):.1e}")
+assert rel_l2(product, from_identity) < 1e-12
+
+# %% [markdown]
+# So with segments of $L$ chunks the state entering segment $j + 1$ is
+# $h_{j+1} = M_j h_j + Z_j$: every segment's $M_j$ and $Z_j$ can be computed in parallel, then a
+# short sequential loop over the segments (one batched $K \times K$ by $K \times V$ matmul per
+# step) chains them, then all segments run the chain + output kernel at once, each from its own
+# state. `reference.segment_states` does exactly that; it matches the state entering each chunk
+# computed by the plain chunk-by-chunk walk (segments of one chunk) to float64 rounding:
+
+# %%
+args = (x["k"], x["v"], x["g"], x["beta"])
+per_chunk = reference.segment_states(*args, 1, x["initial_state"], cu)
+for L in (2, 3, 5):
+    chained = reference.segment_states(*args, L, x["initial_state"], cu)
+    err = rel_l2(chained, per_chunk[:, ::L])
+    print(f"segments of {L} chunks: {chained.shape[1]} per sequence, chained vs walked: rel err {err:.1e}")
+    assert err < 1e-12
+
+# %% [markdown]
+# ## 2. Warm-up: the decay forgets the past, with a bound
+#
+# The exact path costs a $K \times K$ matrix per segment and head, computed by a second chain over
+# the whole previous segment. FlashQLA observes that most heads do not need it: a decaying head
+# forgets. Start the chain from **zero** $w$ chunks before the segment (a *warm-up* window) instead of
+# from the true state $h_a$ there; the result is wrong by exactly $M_w h_a$, the window's
+# transition applied to what was dropped.
+#
+# How big can $M_w h_a$ be? $I - \beta k k^\top$ is symmetric with eigenvalue $1 - \beta \|k\|^2$ along
+# $k$ and 1 elsewhere, so its spectral norm is at most 1 whenever $0 \le \beta \|k\|^2 \le 2$
+# (normalized keys and $0 \le \beta \le 1$ are well inside). With $g_t \le 0$:
+#
+# $$\|M_w h_a\|_F \le \prod_t e^{g_t} \, \|h_a\|_F = \exp\Big(\sum_{t \in \text{window}} g_t\Big)\, \|h_a\|_F .$$
+#
+# So a window whose cumulative log decay reaches a threshold $\tau$ gives an error of at most
+# $e^{\tau}$ times the state where the window starts; FlashQLA uses $\tau = -10$
+# ($e^{-10} \approx 4.5 \cdot 10^{-5}$, far below the bf16 rounding of the kernels, about $4 \cdot 10^{-3}$).
+# First the premise, per chunk, in float64: the spectral norm of every chunk transition against
+# $\exp(\sum g)$ over the chunk, for the problem above (its heads: $g = 0$, strong and ordinary decay).
+
+# %%
+decay = reference.Chunking(*x["g"].shape[:2], cu, C, "cpu").pad(x["g"]).sum(2)   # [N, NT, HV]
+norms = torch.linalg.matrix_norm(M, ord=2)
+ratio = (norms / torch.exp(decay)).max().item()
+print(f"max over chunks of ||M||_2 / exp(sum g) = {ratio:.6f}  (<= 1: the premise holds)")
+assert ratio <= 1 + 1e-12
+
+k_bad = x["k"] * 2.0                              # ||k||^2 = 4, beta ||k||^2 up to 4 > 2
+M_bad = reference.chunk_transition(k_bad, reference.chunk_local_cumsum(x["g"], cu), x["beta"], cu)
+print(f"with keys of norm 2 instead: max ||M||_2 / exp(sum g) = "
+      f"{(torch.linalg.matrix_norm(M_bad, ord=2) / torch.exp(decay)).max().item():.3g}  (no bound)")
+
+# %% [markdown]
+# Now the warm-up itself: one sequence of 2048 tokens, five value heads with constant per-token log
+# decays from none ($g = 0$) to strong, the true state entering chunk 24 against the warm-up state
+# started $w$ chunks earlier, for $w = 0 \dots 24$ (dashed: the bound; every point must lie under
+# its line).
+
+# %%
+rates = (0.0, -0.002, -0.01, -0.04, -0.15)       # log decay per token, one value head each
+pw = Problem(1, len(rates), (2048,), K=32, V=32)
+xw = cast_floats(pw.inputs(seed=1), f64)
+xw["g"] = torch.tensor(rates, dtype=f64).expand_as(xw["g"]).clone()
+argsw = (xw["k"], xw["v"], xw["g"], xw["beta"])
+start = 24                                        # the segment starts at chunk 24 (token 1536)
+states = reference.segment_states(*argsw, 1, xw["initial_state"])[0]   # [NT, HV, K, V], exact
+Mc = reference.chunk_transition(xw["k"], reference.chunk_local_cumsum(xw["g"]), xw["beta"])[0]
+true = states[start]
+
+# the warm-up state over w chunks misses exactly M_w h_a (checked for one w with segment_states)
+w = 6
+warm = reference.segment_states(*argsw, start, xw["initial_state"],
+                                warmup_chunks=torch.full((1, 2, len(rates)), w))[0, 1]
+M_w = torch.eye(32, dtype=f64).expand(len(rates), 32, 32)
+for c in range(start - w, start):
+    M_w = Mc[c] @ M_w
+print(f"h - h_warm vs M_w h_a (w = {w}): rel err {rel_l2(true - warm, M_w @ states[start - w]):.1e}")
+assert rel_l2(true - warm, M_w @ states[start - w]) < 1e-10
+
+# so the error for every w is ||M_w h_a||, M_w growing one chunk further back at a time
+errs, bounds = [[1.0] * len(rates)], [[1.0] * len(rates)]
+M_w = torch.eye(32, dtype=f64).expand(len(rates), 32, 32)
+for w in range(1, start + 1):
+    M_w = M_w @ Mc[start - w]                     # M_{s-1} ... M_{s-w}
+    h_a = states[start - w]
+    err = (M_w @ h_a).flatten(1).norm(dim=1) / true.flatten(1).norm(dim=1)
+    bound = torch.exp(torch.tensor(rates, dtype=f64) * C * w) * h_a.flatten(1).norm(dim=1) / true.flatten(1).norm(dim=1)
+    assert (err <= bound * (1 + 1e-9)).all(), w
+    errs.append(err.tolist())
+    bounds.append(bound.tolist())
+fig, ax = plt.subplots(figsize=(8, 4.2))
+for h, rate in enumerate(rates):
+    line, = ax.semilogy(range(start + 1), [e[h] for e in errs], "o-", ms=3, label=f"g = {rate} per token")
+    ax.semilogy(range(start + 1), [b[h] for b in bounds], "--", color=line.get_color(), lw=1)
+ax.axhline(math.exp(autocp.THRESHOLD), color="gray", lw=0.8)
+ax.text(start, math.exp(autocp.THRESHOLD) * 1.5, "e^-10", ha="right", color="gray")
+ax.set_ylim(1e-17, 10)
+ax.set_xlabel("warm-up window w (chunks of 64 tokens)")
+ax.set_ylabel("||h_warm - h|| / ||h||")
+ax.set_title("warm-up state error vs window (float64; dashed: the bound)")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The bound of a decaying head reaches $e^{-10}$ after $\lceil 10 / (64 |g|) \rceil$ chunks: two
+# at $g = -0.15$, four at $-0.04$, sixteen at $-0.01$, 79 at $-0.002$; the actual error falls
+# faster, by the contraction the keys add. The $g = 0$ head has no bound at all (its dashed line
+# stays near 1). Here its error
+# still falls, because 64 random keys per chunk in 32 dimensions shrink the state through the
+# $I - \beta k k^\top$ factors; nothing guarantees that for real keys (a head whose keys repeat keeps
+# its state forever), so those heads take the exact path.
+#
+# Per (segment, value head), AutoCP therefore counts chunks back from the segment start until the
+# cumulative log decay (the chunk-local cumulative gate at each chunk's last token, already computed
+# by the forward) reaches $\tau$: $w$ chunks if that happens within the previous segment, otherwise
+# the exact path, chained through $M$. It also takes the exact path wherever a token of the
+# previous segment breaks the premise ($g > 0$, or $\beta \|k\|^2$ outside $[0, 2]$): checked on
+# the device, per (segment, head), so a caller with unnormalized keys gets exact results, not
+# a silently broken bound. `tests/test_autocp.py` checks the planner's counts against a brute-force
+# count and the bound on the planner's windows in float64.
+
+# %%
+print(inspect.getsource(autocp.warmup))
+
+# %% [markdown]
+# ## 3. The plan, on the device
+#
+# FlashQLA reads `cu_seqlens` on the host to plan its segments: a device synchronization, which
+# rules out CUDA-graph capture of the forward. `flashqla.autocp` decides *how finely* to split from
+# host integers only (tokens, sequences, heads, the SM count, the CTAs per chain of the kernel),
+# and builds *where* the segments are on the device, with a host-known upper bound on their number
+# (rows past the real segments are empty, $[T, T)$, as in chapter 3's chunk table). The rule:
+
+# %%
+print(inspect.getdoc(autocp.segment_chunks))
+print()
+print(f"{'(H, HV)':>9} " + " ".join(f"{n:>9}" for n in ("1x2048", "1x8192", "1x32768", "1x65536", "8x4096")))
+for H, HV in PUBLIC_HEADS:
+    cells = []
+    for n, t in ((1, 2048), (1, 8192), (1, 32768), (1, 65536), (8, 4096)):
+        L = autocp.segment_chunks(n * t, n, t, HV, 132, 2)
+        cells.append(f"{'off' if not L else f'{-(-t // (C * L))} x {L}':>9}")
+    print(f"({H:2d}, {HV:2d}) " + " ".join(cells))
+print("\n(segments per sequence x chunks per segment, 132 SMs, 2 CTAs per (segment, head))")
+
+# %% [markdown]
+# Many heads or many sequences already fill the card: no split. Few heads on long sequences get
+# as many segments as one wave of CTAs holds. The diagram below draws, for a few configurations,
+# which SM works on what: without CP (left) each CTA walks its whole sequence; with the planner's
+# segments (right) the same work is cut into segments of $L$ chunks. Phase 1 (the warm-up windows,
+# and the whole previous segment for the exact heads, about half the cost per chunk of the fused
+# kernel) is drawn before phase 3; the chaining between them is a few small matmuls.
+
+# %%
+def fill(ax, lengths, HV, L, sms=132):
+    """One box per CTA: SM on the y axis, time in fused-chunk steps on x, CTAs given to SMs in grid
+    order. Returns the time the last one ends."""
+    lanes = 2 * HV                                  # CTAs per (segment, head): 2 x 64 value columns
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    starts = set(cu.tolist())
+    if L:
+        b = autocp.plan(cu, 1, sum(lengths), HV, sms, 2, "cpu", force=L).bounds.tolist()
+        segments = [(s, e) for s, e in zip(b, b[1:]) if e > s]
+    else:
+        segments = list(zip(cu.tolist(), cu.tolist()[1:]))
+    later = [s for s, _ in segments if s not in starts]      # segments with a phase 1
+    # phase 1: the exact heads (a quarter) walk the previous segment, Z and M, 4 CTAs a head,
+    # at about half the cost per chunk of the fused kernel; decaying heads need 1-2 chunks
+    t3 = 0.5 * L if later else 0
+    for i in range(len(later) * HV):
+        ax.add_patch(Rectangle((0, i % sms), t3, 0.9, color="tab:orange", alpha=0.7, lw=0))
+    free_at = [t3] * sms
+    for i, (s, e) in enumerate(seg for seg in segments for _ in range(lanes)):
+        n = math.ceil((e - s) / C)
+        ax.add_patch(Rectangle((free_at[i % sms], i % sms), n, 0.9, color="tab:blue", alpha=0.8, lw=0))
+        free_at[i % sms] += n
+    ax.set_ylim(0, sms)
+    return max(free_at)
+
+
+configs = [((2, 8), (32768,)), ((4, 16), (32768,)), ((16, 32), (32768,)), ((2, 8), (20000, 9000, 3768))]
+fig, axes = plt.subplots(len(configs), 2, figsize=(11, 2.3 * len(configs)), sharey=True)
+for row, ((H, HV), lengths) in zip(axes, configs):
+    L = autocp.segment_chunks(sum(lengths), len(lengths), sum(lengths), HV, 132, 2)  # varlen: bound T
+    t_off = fill(row[0], lengths, HV, 0)
+    t_on = fill(row[1], lengths, HV, L)
+    for ax in row:
+        ax.set_xlim(0, t_off * 1.05)
+    label = f"({H}, {HV}) " + "+".join(map(str, lengths))
+    row[0].set_title(f"{label}: no CP, {t_off} steps", fontsize=9)
+    row[1].set_title(f"{label}: AutoCP, L = {L} chunks, ~{t_on:.0f} steps", fontsize=9)
+    row[0].set_ylabel("SM")
+for ax in axes[-1]:
+    ax.set_xlabel("time, in fused chunk steps (orange: phase 1, exact heads)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# For varlen the host does not know the lengths, so the rule plans for the worst case (one
+# sequence holding all tokens) and the short sequences simply get fewer, possibly one, segments;
+# the rows past the real segments are empty CTAs that load nothing.
+#
+# ## 4. The stage
+#
+# `gdn_fwd.s06` is the plan, phase 1 (one chain-only TileLang kernel for $Z$ and, for the exact
+# heads, $M$: the chain of the fused kernel without its output, with $u$ read as zero and the
+# state started from $I$ for the $M$ tiles), phase 2 (the chaining loop, fp32 batched matmuls)
+# and phase 3 (the fused chain + output kernel of the stage named in `CHAIN`, over all segments at
+# once as a varlen problem). Nothing in it reads a device value on the host:
+# `tests/test_autocp.py` captures the whole forward in a CUDA graph and replays it bitwise equal to
+# the eager call, and checks that reruns are bitwise identical.
+
+# %%
+s06 = load("gdn_fwd", 6)
+print(inspect.getsource(s06.forward))
+
+# %% [markdown]
+# ## 5. What it buys
+#
+# `profiles/autocp_lab.py` times s03 (the unsplit chain) and s06 (as the rule decides, and forced
+# on) on one sequence of 2048 to 65536 tokens, with few heads (2, 8) and many (16, 64), CUDA
+# events around eager calls and CUDA-graph replay, in one run on one card. It writes
+# `profiles/results/autocp.csv`, plotted here: without CP (s03) against with CP (s06 forced on);
+# rerun the lab on the GPU machine to refresh it. The table marks what the rule decides today.
+
+# %%
+csv_path = RESULTS / "autocp.csv"
+if csv_path.exists():
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    heads = sorted({r["heads"] for r in rows}, key=lambda hd: int(hd.strip("()").split(",")[1]))
+    fig, axes = plt.subplots(1, len(heads), figsize=(11, 4), squeeze=False)
+    for ax, hd in zip(axes[0], heads):
+        for impl, label, color in (("s03", "no CP (s03)", "tab:gray"), ("s06 forced on", "CP (s06)", "tab:blue")):
+            sel = [r for r in rows if r["heads"] == hd and r["impl"] == impl]
+            t = [int(r["tokens"]) for r in sel]
+            ax.loglog(t, [float(r["ms_graph"]) for r in sel], "o-", color=color, label=f"{label}, graph")
+            ax.loglog(t, [float(r["ms_events"]) for r in sel], "x:", color=color, label=f"{label}, eager")
+        ax.set_title(f"{hd}, one sequence", fontsize=10)
+        ax.minorticks_off()
+        ax.set_xticks(t, [str(n) for n in t], fontsize=8)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"gdn forward, {rows[0]['gpu']} ({rows[0]['date']}, commit {rows[0]['commit']})", fontsize=10)
+    plt.tight_layout()
+    plt.show()
+    print(f"{'heads':9} {'tokens':>6} {'no CP':>8} {'CP':>8} {'speed-up':>8}  {'rule now':>10}   (graph replay, ms)")
+    for hd in heads:
+        for t in sorted({int(r["tokens"]) for r in rows if r["heads"] == hd}):
+            ms = {r["impl"]: float(r["ms_graph"]) for r in rows if r["heads"] == hd and int(r["tokens"]) == t}
+            hv = int(hd.strip("()").split(",")[1])
+            L = autocp.segment_chunks(t, 1, t, hv, 132, 2)
+            rule = f"{-(-t // (C * L))} x {L}" if L else "off"
+            print(f"{hd:9} {t:6d} {ms['s03']:8.3f} {ms['s06 forced on']:8.3f} "
+                  f"{ms['s03'] / ms['s06 forced on']:7.2f}x  {rule:>10}")
+else:
+    print("No profiles/results/autocp.csv yet: run profiles/autocp_lab.py on the GPU machine.")
+
+# %% [markdown]
+# With few heads, CP turns a latency-bound walk into one wave of short walks: 2.4x at 32768
+# tokens, 2.9x at 65536 under a graph, and the remaining time is mostly the preparation kernels,
+# which CP does not touch (s06's docstring has the split by phase). With (16, 64) the card is
+# already full and "forced on" gives one segment: the rule keeps CP off there. Eagerly, the
+# plan and the chaining add about 1.4 ms of host time (about 45 small launches), so CP pays only
+# for long sequences; captured in a graph, which the device-side plan allows, it pays from about
+# 4096 tokens, and the rule asks for a saving of at least 40 chunk steps, the measured fixed cost.

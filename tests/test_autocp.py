@@ -1,0 +1,367 @@
+"""AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06 on the GPU.
+
+CPU: the decision rule, the segment table (every token in exactly one segment), the warm-up
+counts against a brute-force count, the device-side fallback where the bound's conditions fail,
+the reference's exact chaining against the recurrence, and the bound itself in float64
+(||approximated - exact|| <= exp(log decay over the window) ||state where the window starts||).
+GPU: CP on against CP off (each head's error against float64), varlen with many segments,
+bitwise determinism, and CUDA-graph capture and replay of the whole forward.
+"""
+
+import concurrent.futures
+import math
+
+import pytest
+import torch
+
+from flashqla import autocp
+from flashqla import reference as ref
+from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
+                              rel_l2)
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+C = autocp.CHUNK_SIZE
+
+
+def cu_of(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+# ---- decision rule ------------------------------------------------------------------------------
+
+def test_decision_rule():
+    rule = autocp.segment_chunks
+    # (16, 64): 128 CTAs of 132 SMs are busy without CP: no split; (2, 8): 16 CTAs, split
+    assert rule(32768, 1, 32768, 64, 132, 2) == 0
+    assert rule(32768, 1, 32768, 8, 132, 2) == 64                   # 8 segments x 16 CTAs
+    assert rule(32768, 1, 32768, 16, 132, 2) == 128                 # 4 segments x 32 CTAs
+    assert rule(32768, 1, 32768, 32, 132, 2) == 256                 # 2 segments x 64 CTAs
+    assert rule(256, 1, 256, 8, 132, 2) == 0                        # 4 chunks: shorter than L
+    assert rule(8 * 32768, 8, 32768, 8, 132, 2) == 0                # 8 x 16 CTAs: SMs busy enough
+    assert rule(2048, 1, 2048, 8, 132, 2) == 0                      # 4 x 8: saves 20 chunk steps < 40
+    assert rule(4096, 1, 4096, 8, 132, 2) == 8                      # 8 x 8: saves 52
+    # forced
+    assert rule(32768, 1, 32768, 8, 132, 2, force=False) == 0
+    assert rule(32768, 1, 32768, 64, 132, 2, force=True) == 512     # on, but one segment: no gain
+    assert rule(256, 1, 256, 8, 132, 2, force=True) == 4            # one segment
+    assert rule(256, 1, 256, 8, 132, 2, force=3) == 3
+    with pytest.raises(ValueError, match="force"):
+        rule(256, 1, 256, 8, 132, 2, force=0)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("seqs", [1, 2, 3])
+def test_auto_split_fills_at_most_one_wave(heads, seqs):
+    for tokens in (2048, 8192, 32768, 65536, 1 << 20):
+        L = autocp.segment_chunks(seqs * tokens, seqs, tokens, heads, 132, 2)
+        if L:
+            segments = seqs * math.ceil(tokens / (C * L))
+            assert 2 <= math.ceil(tokens / (C * L)) <= autocp.MAX_SEGMENTS
+            assert segments * heads * 2 <= 132, (heads, seqs, tokens, L)
+
+
+# ---- the segment table --------------------------------------------------------------------------
+
+def python_segments(lengths, L):
+    """[(start, end, n, j)] of every real segment, in token order."""
+    out, t = [], 0
+    for n, length in enumerate(lengths):
+        js = max(1, math.ceil(length / (C * L)))
+        for j in range(js):
+            out.append((t + min(j * C * L, length), t + min((j + 1) * C * L, length), n, j))
+        t += length
+    return out
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 8])
+@pytest.mark.parametrize("lengths,varlen", [((0, 1, 500, 64, 1300, 0, 129), True), ((5,), True),
+                                            ((640, 640, 640), False), ((1000,), True)])
+def test_plan_covers_every_token_once(lengths, varlen, L):
+    T = sum(lengths)
+    batch, seqlen = (1, T) if varlen else (len(lengths), lengths[0])
+    p = autocp.plan(cu_of(lengths) if varlen else None, batch, seqlen, 4, 132, 2, CPU, force=L)
+    N, J = len(lengths), p.max_segments
+    want = python_segments(lengths, L)
+    bounds = p.bounds.tolist()
+    assert p.bounds.dtype == torch.int32 and bounds[0] == 0 and bounds[-1] == T
+    assert all(a <= b for a, b in zip(bounds, bounds[1:]))          # contiguous, in order: each
+    rows = list(zip(bounds, bounds[1:]))                            # token in exactly one row
+    assert len(rows) >= len(want) and rows[: len(want)] == [(s, e) for s, e, _, _ in want]
+    assert all(s == e == T for s, e in rows[len(want):])            # empty rows past the real ones
+    assert J >= max(j for _, _, _, j in want) + 1
+    assert p.slot_of_segment[: len(want)].tolist() == [j * N + n for _, _, n, j in want]
+    last = {n: i for i, (_, _, n, _) in enumerate(want)}
+    assert p.last_segment.tolist() == [last[n] for n in range(N)]
+    starts, warm = p.slot_start.view(J, N).tolist(), p.slot_warm.view(J, N).tolist()
+    seg = {(n, j): (s, e) for s, e, n, j in want}
+    cu = cu_of(lengths).tolist()
+    for j in range(J):
+        for n in range(N):
+            assert starts[j][n] == seg.get((n, j), (cu[n + 1],))[0]
+            assert warm[j][n] == (j >= 1 and (n, j) in seg)
+
+
+def test_plan_is_kept_for_the_same_cu_seqlens():
+    cu = cu_of((700, 300))
+    p = autocp.plan(cu, 1, 1000, 4, 132, 2, CPU, force=2)
+    assert autocp.plan(cu, 1, 1000, 4, 132, 2, CPU, force=2) is p
+    cu[1] = 600                                                     # edited in place: rebuilt
+    assert autocp.plan(cu, 1, 1000, 4, 132, 2, CPU, force=2).bounds[:3].tolist() == [0, 128, 256]
+    assert autocp.plan(cu, 1, 1000, 64, 132, 2, CPU) is None        # auto: too short to split
+
+
+# ---- warm-up counts -----------------------------------------------------------------------------
+
+def problem_inputs(problem, seed=0):
+    x = problem.inputs(seed=seed)
+    B, T = x["q"].shape[:2]
+    return x, B, T
+
+
+def brute_force_windows(g_cum, lengths, L, threshold, bad_tokens=()):
+    """{(j, n, head): (chunks, exact)} by walking chunk by chunk back from each segment start."""
+    out, t0 = {}, 0
+    for n, length in enumerate(lengths):
+        for j in range(1, math.ceil(length / (C * L))):
+            s = t0 + j * C * L
+            for h in range(g_cum.shape[1]):
+                total, w = 0.0, None
+                for i in range(min(L, autocp.MAX_WARMUP_CHUNKS)):
+                    total += float(g_cum[s - C * i - 1, h])
+                    if total <= threshold:
+                        w = i + 1
+                        break
+                bad = any(s - C * L <= t < s and hh == h for t, hh in bad_tokens)
+                out[(j, n, h)] = (L, True) if (w is None or bad) else (w, False)
+        t0 += length
+    return out
+
+
+@pytest.mark.parametrize("threshold", [-10.0, -3.0, -40.0])
+@pytest.mark.parametrize("L", [1, 3, 8])
+def test_warmup_counts_match_brute_force(threshold, L):
+    lengths = (3000, 1, 700, 2500)
+    x, B, T = problem_inputs(Problem(2, 8, lengths, K=16, V=16))
+    cu = x["cu_seqlens"]
+    g_cum = ref.chunk_local_cumsum(x["g"], cu).view(B * T, -1)
+    p = autocp.plan(cu, B, T, 8, 132, 2, CPU, force=L)
+    viol = autocp.bound_violations(x["k"], x["g"], x["beta"])
+    assert viol[-1] == 0                                            # the Problem keeps the conditions
+    start, exact, chunks = autocp.warmup(p, g_cum, viol, threshold)
+    want = brute_force_windows(g_cum, lengths, L, threshold)
+    N, J = len(lengths), p.max_segments
+    s = p.slot_start.view(J, N, 1)
+    got_w, got_e = chunks.view(J, N, -1), exact.view(J, N, -1)
+    for j in range(J):
+        for n in range(N):
+            for h in range(8):
+                w, e = want.get((j, n, h), (0, False))
+                assert (got_w[j, n, h].item(), bool(got_e[j, n, h])) == (w, e), (j, n, h)
+    assert (start.view(J, N, -1) == s - C * got_w).all()
+    kind, warm = torch.arange(8) % 4, p.slot_warm.view(J, N)[:, 0]
+    if L >= 3 and threshold == -10.0:                               # both paths are exercised
+        assert got_e[warm, 0][:, kind == 0].all() and not got_e[warm, 0][:, kind == 1].any()
+
+
+def test_warmup_longer_than_the_cap_is_exact():
+    lengths, L = (9000,), 70                                        # 2 segments of 70 chunks
+    x, B, T = problem_inputs(Problem(1, 4, lengths, K=16, V=16))
+    g = x["g"].clone()
+    g[..., 2] = -0.0023                                             # -10 after 68 chunks: past the cap
+    g[..., 3] = -0.0026                                             # -10 after 61 chunks
+    cu = x["cu_seqlens"]
+    g_cum = ref.chunk_local_cumsum(g, cu).view(B * T, -1)
+    p = autocp.plan(cu, B, T, 4, 132, 2, CPU, force=L)
+    _, exact, chunks = autocp.warmup(p, g_cum, autocp.bound_violations(x["k"], g, x["beta"]))
+    assert exact[1].tolist() == [1, 0, 1, 0] and chunks[1].tolist()[2:] == [L, 61]
+    want = brute_force_windows(g_cum, lengths, L, autocp.THRESHOLD)
+    assert [want[(1, 0, h)] for h in range(4)] == [(w, bool(e)) for w, e in zip(chunks[1].tolist(), exact[1].tolist())]
+
+
+def test_conditions_broken_fall_back_to_exact():
+    lengths = (2000,)
+    x, B, T = problem_inputs(Problem(1, 4, lengths, K=16, V=16))
+    k, g, beta = x["k"].clone(), x["g"].clone(), x["beta"].clone()
+    k[0, 600] *= 2.0                                                # ||k||^2 = 4: beta ||k||^2 > 2?
+    beta[0, 600] = 0.9                                              # yes, for every head (GVA)
+    g[0, 1400, 2] = 0.01                                            # g > 0 on head 2 only
+    beta[0, 1500, 3] = -0.1                                         # beta < 0 on head 3 only
+    bad_tokens = [(600, h) for h in range(4)] + [(1400, 2), (1500, 3)]
+    cu = x["cu_seqlens"]
+    g_cum = ref.chunk_local_cumsum(g, cu).view(B * T, -1)
+    p = autocp.plan(cu, B, T, 4, 132, 2, CPU, force=4)              # segments of 256 tokens
+    _, exact, chunks = autocp.warmup(p, g_cum, autocp.bound_violations(k, g, beta))
+    want = brute_force_windows(g_cum, lengths, 4, autocp.THRESHOLD, bad_tokens)
+    for (j, n, h), (w, e) in want.items():
+        assert (chunks[j, h].item(), bool(exact[j, h])) == (w, e), (j, h)
+    assert exact[3, :].all() and exact[6, 2] and exact[6, 3] and not exact[6, 1]
+
+
+# ---- the reference, in float64 ------------------------------------------------------------------
+
+SMALL = [Problem(2, 4, (1000, 300, 1), K=16, V=16), Problem(1, 4, (777,), K=32, V=32),
+         Problem(2, 6, (640, 640), varlen=False, K=16, V=16)]
+
+
+@pytest.mark.parametrize("problem", SMALL, ids=lambda p: p.label)
+def test_transition_is_the_chain_from_identity_with_v_zero(problem):
+    x = cast_floats(problem.inputs(), F64)
+    cu, K = x["cu_seqlens"], problem.K
+    M = ref.chunk_transition(x["k"], ref.chunk_local_cumsum(x["g"], cu), x["beta"], cu)
+    prod = torch.eye(K, dtype=F64).expand(M.shape[0], M.shape[2], K, K)
+    for c in range(M.shape[1]):
+        prod = M[:, c] @ prod
+    v0 = torch.zeros(*x["k"].shape[:2], problem.HV, K, dtype=F64)
+    eye = torch.eye(K, dtype=F64).expand(len(problem.lengths), problem.HV, K, K)
+    _, final = ref.naive_recurrent_gated_delta_rule(x["q"], x["k"], v0, x["g"], x["beta"],
+                                                    initial_state=eye, output_final_state=True,
+                                                    cu_seqlens=cu)
+    assert rel_l2(prod, final) < 1e-12
+    # the bound's premise: ||M||_2 <= exp(sum of g over the chunk)
+    ch = ref.Chunking(*x["g"].shape[:2], cu, C, CPU)
+    decay = ch.pad(x["g"]).sum(2)                                   # [N, NT, HV]
+    assert (torch.linalg.matrix_norm(M, ord=2) <= torch.exp(decay) * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("problem", SMALL, ids=lambda p: p.label)
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_chaining_is_exact(problem, L):
+    x = cast_floats(problem.inputs(), F64)
+    args = (x["k"], x["v"], x["g"], x["beta"])
+    per_chunk = ref.segment_states(*args, 1, x["initial_state"], x["cu_seqlens"])
+    chained = ref.segment_states(*args, L, x["initial_state"], x["cu_seqlens"])
+    assert rel_l2(chained, per_chunk[:, ::L]) < 1e-12
+    _, final = ref.naive_recurrent_gated_delta_rule(**x)            # past the end: the final state
+    past = [n for n, length in enumerate(problem.lengths) if math.ceil(length / C) <= (chained.shape[1] - 1) * L]
+    assert rel_l2(chained[past, -1], final[past]) < 1e-12
+
+
+@pytest.mark.parametrize("threshold", [-10.0, -4.0, -1.0])
+def test_warmup_error_within_the_bound_in_float64(threshold):
+    """The planner's windows, applied by the float64 reference: exact heads exact, the others
+    within exp(log decay over the window) x the norm of the state where the window starts."""
+    lengths, L = (2500, 1300, 700), 4
+    problem = Problem(2, 8, lengths, K=16, V=16)
+    x = cast_floats(problem.inputs(), F64)
+    cu = x["cu_seqlens"]
+    B, T = x["q"].shape[:2]
+    g_cum = ref.chunk_local_cumsum(x["g"].float(), cu).view(B * T, -1)
+    p = autocp.plan(cu, B, T, 8, 132, 2, CPU, force=L)
+    N, J = len(lengths), p.max_segments
+    _, exact, chunks = autocp.warmup(p, g_cum, autocp.bound_violations(x["k"], x["g"], x["beta"]),
+                                     threshold)
+    w = torch.where(exact.bool(), -1, chunks).view(J, N, -1).transpose(0, 1)  # [N, J, HV]
+    args = (x["k"], x["v"], x["g"], x["beta"])
+    approx = ref.segment_states(*args, L, x["initial_state"], cu, warmup_chunks=w)
+    states = ref.segment_states(*args, 1, x["initial_state"], cu)   # entering every chunk
+    decay = ref.Chunking(B, T, cu, C, CPU).pad(x["g"]).sum(2)       # [N, NT, HV]
+    err = (approx - states[:, ::L]).flatten(3).norm(dim=-1)         # [N, J, HV]
+    n_warm = 0
+    for n in range(N):
+        for j in range(1, math.ceil(lengths[n] / (C * L))):
+            for h in range(8):
+                ww = int(w[n, j, h])
+                scale = states[n, j * L].norm()
+                if ww < 0:
+                    assert err[n, j, h] <= 1e-12 * scale
+                    continue
+                n_warm += 1
+                window = decay[n, j * L - ww: j * L, h].sum()
+                assert window <= threshold + 1e-5
+                bound = torch.exp(window) * states[n, j * L - ww, h].norm()
+                assert err[n, j, h] <= bound * (1 + 1e-9) + 1e-12 * scale, (n, j, h)
+    assert n_warm > 0
+
+
+# ---- gdn_fwd.s06 on the GPU ---------------------------------------------------------------------
+
+GPU_HEADS = ((2, 8), (4, 16), (16, 16))
+
+
+@pytest.fixture(scope="module")
+def s06():
+    """The stage, with its kernels (and those of the chain it runs) compiled on threads first."""
+    from flashqla.stages import load
+    from flashqla.testing import PUBLIC_HEADS
+
+    mod = load("gdn_fwd", 6)
+    small = [Problem(H, HV, (700,)).inputs("cuda") for H, HV in PUBLIC_HEADS]  # serially (torch init)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda x: mod.forward(**x, cp=2), small))
+    return mod
+
+
+def head_errors(got, want, axis):
+    return [rel_l2(got.select(axis, h), want.select(axis, h)) for h in range(got.shape[axis])]
+
+
+GPU_CASES = [
+    (Problem(2, 8, (4096,)), 8),                                    # 8 segments of 512 tokens
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, 17 segments, empty rows
+    (Problem(16, 16, (2048, 2048), varlen=False), 3),
+    (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem,L", GPU_CASES, ids=lambda c: getattr(c, "label", str(c)))
+def test_cp_on_matches_cp_off(s06, problem, L):
+    """Every value head with CP is as close to float64 as without (x TOLERANCE_FACTOR): the
+    warm-up heads' approximation (<= e^-10 of a state) is far below the kernel's bf16 rounding,
+    and the exact heads change only where rounding happens. Plus the usual check_op bound."""
+    x = problem.inputs("cuda", seed=1)
+    on = s06.forward(**x, cp=L)
+    off = s06.forward(**x, cp=False)
+    want = ref.chunk_gated_delta_rule_ref(**cast_floats(x, F64))
+    for got_on, got_off, w, axis in ((on[0], off[0], want[0], 2), (on[1], off[1], want[1], 1)):
+        e_on, e_off = head_errors(got_on, w, axis), head_errors(got_off, w, axis)
+        for h, (a, b) in enumerate(zip(e_on, e_off)):
+            assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
+    check_op("gdn_fwd", lambda **kw: s06.forward(**kw, cp=L), x)
+    # the plan took both paths: g = 0 heads exact, the strongly decaying ones warmed up
+    B, T = x["q"].shape[:2]
+    p = autocp.plan(x["cu_seqlens"], B, T, problem.HV, 132, 2, x["q"].device, force=L)
+    g_cum = ref.chunk_local_cumsum(x["g"], x["cu_seqlens"]).view(B * T, -1)
+    _, exact, _ = autocp.warmup(p, g_cum, autocp.bound_violations(x["k"], x["g"], x["beta"]))
+    warm = p.slot_warm
+    kind = torch.arange(problem.HV, device="cuda") % 4
+    assert exact[warm][:, kind == 0].all() and not exact[warm][:, kind == 1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_bitwise_deterministic(s06):
+    x = Problem(4, 16, (3000, 1, 700, 2500)).inputs("cuda", seed=2)
+    first = s06.forward(**x, cp=4)
+    for _ in range(3):
+        again = s06.forward(**x, cp=4)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem", [Problem(2, 8, (8192,)), Problem(2, 8, (5000, 3000, 192))],
+                         ids=lambda p: p.label)
+def test_cuda_graph_replay_equals_eager(s06, problem):
+    """run decides and plans on the device: the whole forward captures, and replays bitwise."""
+    x = problem.inputs("cuda", seed=3)
+    B, T = x["q"].shape[:2]
+    assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), 2, x["q"].device)
+    eager = s06.run(**x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = s06.run(**x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    x["v"].mul_(-1)                                                 # new inputs, same tensors
+    graph.replay()
+    flipped = s06.run(**x)
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], flipped[0]) and torch.equal(captured[1], flipped[1])
