@@ -288,8 +288,14 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     # compile or autotune in their first, untimed call
     jobs = [(fn, inputs(Problem(H, HV, (70,)), 0)) for H, HV in heads
             for name, fn, _ in cands if name not in mode.peers]
+    def compile_row(job):
+        try:
+            job[0](job[1])
+        except Exception as exc:  # noqa: BLE001 -- its check below fails it and says why
+            print(f"compile of a row failed: {type(exc).__name__}: {exc}", flush=True)
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda job: job[0](job[1]), jobs))
+        list(pool.map(compile_row, jobs))
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
         x = op_inputs(mode.check_op, Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1))
@@ -298,9 +304,9 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
                 continue
             try:
                 check_op(mode.check_op, lambda **kw: fn(kw), x)
-            except AssertionError as exc:
+            except Exception as exc:  # noqa: BLE001 -- a wrong answer or a crash: not timed, said why
                 failed.add(name)
-                print(f"FAILED {name} on ({H}, {HV}): {exc}")
+                print(f"FAILED {name} on ({H}, {HV}): {type(exc).__name__}: {exc}")
     tflops_roof, gbs_roof = roofs()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     meta = dict(versions(commit), gemm_roof_tflops=round(tflops_roof),
@@ -315,7 +321,13 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
             if name in failed:
                 rows.append(dict(problem=p.label, impl=name, ms="", method="FAILED its check"))
                 continue
-            ms, method = time_row(fn, sets, grad=training)
+            try:
+                ms, method = time_row(fn, sets, grad=training)
+            except Exception as exc:  # noqa: BLE001 -- e.g. a peer without this feature: said why
+                rows.append(dict(problem=p.label, impl=name, ms="",
+                                 method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}"))
+                print(f"ERROR {name} on {p.label}: {exc}", flush=True)
+                continue
             base.setdefault(name, ms)
             rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=method,
                              tflops=round(flops / ms / 1e9, 1),
