@@ -1,7 +1,8 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
-TileLang kernels (``flashqla.fwd``, promoted from ``kernels/gdn_fwd``) and so does the backward
+TileLang kernels (``flashqla.fwd``: chunk-local cumsum, the fused K K^T / solve / WY kernel, and
+the warp-specialized fused state chain + output kernel) and so does the backward
 (``flashqla.bwd``, promoted from ``kernels/gdn_bwd``): autograd saves only the inputs, the backward
 recomputes the forward's intermediates, and gradients reach every input, ``initial_state``
 included. Neither direction synchronizes with the host, so a training step can be captured in a
@@ -9,6 +10,14 @@ CUDA graph (``cu_seqlens`` is checked on the host only outside capture). Everyth
 tensors, other GPUs, other dtypes, other head dims) runs the chunked PyTorch reference in float32
 (float64 for float64 inputs) on the inputs' device with autograd, after a one-time warning that
 says why.
+
+AutoCP (``flashqla.autocp``): when few (sequence, head) chains would leave most SMs idle (e.g.
+(H, HV) = (2, 8) from about 4096 tokens), the forward cuts each sequence into segments whose
+chains run in parallel, each from an initial state computed first; the decision takes only the
+shapes and the SM count, the plan is built on the device. A segment's initial state is exact for
+heads whose gates decay slowly (or where a token breaks the bound's conditions); for the others
+it is wrong by at most exp(-10) times the norm of the state where its warm-up window starts (the
+bound FlashQLA uses). The backward recomputes whole sequences, without AutoCP.
 
 NaN and inf: inputs are not scanned (that would cost a pass over them and a host sync). A NaN or
 inf in q, k, v, g or beta at some token poisons, for the value heads that read it, the output of
@@ -138,11 +147,13 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 
 
 def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """The promoted kernels' forward (a CPU test puts the reference here to run _KernelForward)."""
+    """The promoted kernels' forward, AutoCP deciding the split (a CPU test puts the reference here
+    to run _KernelForward)."""
     from flashqla import fwd  # imported here: importing flashqla must not pull in TileLang
 
     with nvtx_range("fwd"):
-        return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        return fwd.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                           cp=None)
 
 
 def _kernel_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):

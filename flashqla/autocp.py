@@ -109,13 +109,16 @@ def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: in
          ctas_per_head: int, device: torch.device, force: bool | int | None = None) -> Plan | None:
     """The segment table for inputs [batch, seqlen] (or varlen ``cu_seqlens`` with batch 1), or None
     when ``segment_chunks`` decides not to split. Built on the device; the last plan is returned
-    again for the same, unmodified ``cu_seqlens`` tensor (as ``flashqla.varlen.chunk_table``)."""
+    again for the same, unmodified ``cu_seqlens`` tensor, and built anew inside CUDA-graph capture
+    (as ``flashqla.varlen.chunk_table``)."""
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     num_tokens = batch * seqlen
     longest = seqlen if cu_seqlens is None else num_tokens
     L = segment_chunks(num_tokens, num_seqs, longest, num_heads, num_sms, ctas_per_head, force)
     if not L or num_seqs == 0:
         return None
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_plan(cu_seqlens, batch, seqlen, L, device)  # the graph owns what it reads
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, L, str(device))
     if _last_plan.get("key") == key and (cu_seqlens is None or _last_plan["cu"]() is cu_seqlens):

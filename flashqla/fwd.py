@@ -2,37 +2,71 @@
 
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
-same TileLang program as the stage it came from, so the library runs exactly what the stage tests
-and the benchmark checked. The fastest correct pieces (``profiles/results/gdn_fwd.csv``, and the
-measurements in each stage's docstring):
+same TileLang program as the stage it came from, and is compiled with the same options, so the
+library runs exactly what the stage tests and the benchmark checked. The fastest correct pieces
+(``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``, and the measurements in each
+stage's docstring; H200):
 
     chunk_local_cumsum.s01   g                      -> g_cum      one CTA per chunk, all heads
     chunk_fwd_intra.s01      k, v, g_cum, beta      -> w, u       K K^T, (I + A)^-1 and the WY
                                                                   products in one kernel: A and Ai
                                                                   stay on chip (s03 ran them as
                                                                   three kernels)
-    gdn_fwd.s03 (fused)      q, k, w, u, g_cum, h0  -> o, final state: the state recurrence and the
-                                                       output in one kernel, TMA, 2-stage pipeline
+    gdn_fwd.s06 (warm-up)    k, w, u, g_cum, windows -> Z, M      AutoCP: long sequences with few
+                                                                  heads are cut into segments whose
+                                                                  chains run in parallel; this
+                                                                  kernel gives the segments' initial
+                                                                  states. 2.4-2.9x s03 on (2, 8)
+                                                                  from 32768 tokens under a CUDA
+                                                                  graph (measured with s03's kernel
+                                                                  as the chain)
+    gdn_fwd.s05 (fused)      q, k, w, u, g_cum, h0  -> o, final state: the state chain and the
+                                                       output in one warp-specialized kernel
+                                                       (chain, scores, output and producer
+                                                       warpgroups, mbarrier hand-offs):
+                                                       1.52-1.66x s03's fused kernel
 
-``forward`` builds the varlen maps once (``flashqla.varlen``, cached per ``cu_seqlens``, no host
-synchronization) and launches the three kernels, each in an NVTX range ``fwd.<kernel>``.
+``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
+the decision from host integers, the segment table on the device), with no host synchronization.
+Without a split the fused kernel walks whole sequences. With one, the warm-up kernel runs the
+chain over each segment's warm-up window (Z; and M, the previous segment's transition, for heads
+whose window is the whole previous segment), a batched matmul per segment chains
+h_j = Z_j + M_j h_{j-1}, and the fused kernel walks all segments at once, each from its h_j. Each
+kernel launch is in an NVTX range ``fwd.<kernel>``.
 """
 
 import functools
 
 import torch
 
+from flashqla import autocp
 from flashqla.hopper import compile_hopper
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import chunk_table, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
-THREADS = 128         # one warpgroup (chunk_fwd_intra)
-H_O_THREADS = 256     # two consumer warpgroups (the fused kernel; TileLang adds a producer)
-BLOCK_V = 64          # value columns of the state owned by one CTA of the fused kernel
-NUM_STAGES = 2        # the fused kernel loads chunk c + 1 (TMA) while chunk c computes
+THREADS = 128         # one warpgroup (chunk_fwd_intra; the warm-up kernel, TileLang adds a producer)
+BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel
+BLOCK = 64            # state columns per CTA of the warm-up kernel
 LOG2E = 1.4426950408889634
+# ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
+# setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
+WARPGROUP = 128
+CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: owns S; V~ = U - W S, S <- exp(g_C) S + K^T ..
+SCORES_END = 2 * WARPGROUP  # [128, 256) scores: P = scale (Q K^T * Gamma), needs no state
+OUTPUT_END = 3 * WARPGROUP  # [256, 384) output: O = scale diag(exp g) Q S_c + P V~_c
+H_O_THREADS = 4 * WARPGROUP  # [384, 512) producer: TMA loads of q, k, w, u; the gates (s05's THREADS)
+# ---- its register budgets (setmaxnreg, per thread), within the launch's pool of 4 x 128
+REGS_PRODUCER = 24    # addresses (about 12 used)
+REGS_CHAIN = 216      # S (64 fp32 a thread), V~ and its decayed copy (32 + 32): about 143 used
+REGS_SCORES = 136     # P (32): about 94 used
+REGS_OUTPUT = 136     # O (32): about 56 used
+assert REGS_PRODUCER + REGS_CHAIN + REGS_SCORES + REGS_OUTPUT <= 4 * 128
+# ---- its buffering
+NUM_STAGES = 2        # tile stages: the producer fills chunk c + 2 once chunk c is consumed
+NUM_HANDOFF = 2       # slots for S_c, V~_c and P_c: chunk c + 1's are written while the output
+                      # warpgroup still reads chunk c's
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
@@ -182,7 +216,85 @@ def chunk_fwd_intra_kernel(H: int, HV: int):
     return chunk_fwd_intra_fwd
 
 
-# ---- promoted from kernels/gdn_fwd/s03_fused_h_o.py
+# ---- promoted from kernels/gdn_fwd/s06_autocp.py (AutoCP's phase 1)
+def warmup_kernel(H: int, HV: int):
+    """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, K, V, BV = CHUNK_SIZE, HEAD_DIM, HEAD_DIM, BLOCK
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def gdn_autocp_warmup(
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        w: T.Tensor((num_tokens, HV, K), "bfloat16"),
+        u: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        win_start: T.Tensor((num_slots, HV), "int32"),         # first token of the window
+        win_end: T.Tensor((num_slots,), "int32"),              # the segment's first token
+        exact: T.Tensor((num_slots, HV), "int32"),             # 1: M of the window too
+        z: T.Tensor((num_slots, HV, K, V), "float32"),
+        m: T.Tensor((num_slots, HV, K, K), "float32"),
+    ):
+        with T.Kernel((V + K) // BV, HV, num_slots, threads=THREADS) as (i_t, i_hv, i_s):
+            i_h = i_hv // group
+            is_m = i_t >= V // BV                              # a tile of M (else of Z)
+            take_m = is_m & (exact[i_s, i_hv] != 0)
+            c0 = (i_t % (V // BV)) * BV                        # its columns (K = V)
+            bos = win_start[i_s, i_hv]
+            eos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), bos, win_end[i_s])
+
+            k_s = T.alloc_shared((C, K), "bfloat16")
+            w_s = T.alloc_shared((C, K), "bfloat16")
+            u_s = T.alloc_shared((C, BV), "bfloat16")
+            g_s = T.alloc_shared((C,), "float32")
+            s_s = T.alloc_shared((K, BV), "bfloat16")          # S in bf16, the wgmma operand
+            vd_s = T.alloc_shared((C, BV), "bfloat16")         # diag(exp(g_C - g)) V~
+            s_f = T.alloc_fragment((K, BV), "float32")         # the state S, fp32, all along
+            vn_f = T.alloc_fragment((C, BV), "float32")
+            g_last = T.alloc_local((1,), "float32")
+
+            # S <- columns c0.. of I for M tiles of exact heads, else 0
+            for d, j in T.Parallel(K, BV):
+                s_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
+
+            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=2):
+                t0 = bos + c * C
+                n = T.min(eos - t0, C)                          # real rows of the chunk, 1..64
+                # K, W, U <- full 64-row tiles (TMA); K first, as in chunk_h.s01 (g's buffer)
+                T.copy(k[t0:t0 + C, i_h, :], k_s)
+                T.copy(w[t0:t0 + C, i_hv, :], w_s)
+                T.copy(u[t0:t0 + C, i_hv, c0:c0 + BV], u_s)
+                # g <- log2(e) g_cum, 0 past the end
+                for i in T.Parallel(C):
+                    g_s[i] = T.if_then_else(i < n, g_cum[t0 + i, i_hv] * LOG2E, 0)
+                T.copy(s_f, s_s)
+                # V~ <- U - W S (U read as 0 for M: v = 0)
+                T.gemm(w_s, s_s, vn_f, clear_accum=True)
+                # V_d <- diag(exp(g_C - g)) V~, rows >= n zero
+                g_last[0] = g_s[n - 1]
+                for i, j in T.Parallel(C, BV):
+                    vd_s[i, j] = T.if_then_else(
+                        i < n,
+                        T.if_then_else(is_m, -vn_f[i, j], u_s[i, j] - vn_f[i, j])
+                        * T.exp2(g_last[0] - g_s[i]), 0)
+                # S <- exp(g_C) S + K^T V_d
+                for d, j in T.Parallel(K, BV):
+                    s_f[d, j] = s_f[d, j] * T.exp2(g_last[0])
+                T.gemm(k_s, vd_s, s_f, transpose_A=True)
+
+            # Z or M tile <- S
+            if is_m:
+                T.copy(s_f, m[i_s, i_hv, :, c0:c0 + BV])
+            if i_t < V // BV:
+                T.copy(s_f, z[i_s, i_hv, :, c0:c0 + BV])
+
+    return gdn_autocp_warmup
+
+
+# ---- promoted from kernels/gdn_fwd/s05_warp_specialized.py (THREADS renamed H_O_THREADS)
 def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V; any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
@@ -195,7 +307,7 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
     num_bounds = T.dynamic("num_bounds")
 
     @T.prim_func
-    def gdn_fused_h_o(
+    def gdn_fused_ws(
         q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         k: T.Tensor((num_tokens, H, K), "bfloat16"),
         w: T.Tensor((num_tokens, HV, K), "bfloat16"),
@@ -212,90 +324,151 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
             bos = bounds[i_n]
             eos = bounds[i_n + 1]
             v0 = i_v * BV
+            num_chunks = T.ceildiv(eos - bos, C)
 
-            q_s = T.alloc_shared((C, K), "bfloat16")
-            k_s = T.alloc_shared((C, K), "bfloat16")
-            w_s = T.alloc_shared((C, K), "bfloat16")
-            u_s = T.alloc_shared((C, BV), "bfloat16")
-            g_s = T.alloc_shared((C,), "float32")
-            h_s = T.alloc_shared((K, BV), "bfloat16")
-            p_s = T.alloc_shared((C, C), "bfloat16")
-            vn_s = T.alloc_shared((C, BV), "bfloat16")
+            # tile stages (producer -> consumers); g holds log2(e) g_cum
+            q_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # scores, output
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, scores
+            w_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain
+            u_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # all three
+            # hand-off slots: S_c (bf16) and V~_c from the chain, P_c from the scores warpgroup
+            h_s = T.alloc_shared((NUM_HANDOFF, K, BV), "bfloat16")
+            vn_s = T.alloc_shared((NUM_HANDOFF, C, BV), "bfloat16")
+            p_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
+            # chain only: diag(exp(g_C - g)) V~
             vd_s = T.alloc_shared((C, BV), "bfloat16")
+            # registers of the chain, scores and output warpgroups
             h_f = T.alloc_fragment((K, BV), "float32")
             vn_f = T.alloc_fragment((C, BV), "float32")
             vd_f = T.alloc_fragment((C, BV), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             o_f = T.alloc_fragment((C, BV), "float32")
-            g_f = T.alloc_fragment((C,), "float32")
-
             # u_s is read in the accumulator layout (8 rows of 128 bytes per warp access): swizzle it
             T.annotate_layout({u_s: tilelang.layout.make_swizzled_layout(u_s)})
 
-            # S <- h0 (this CTA's BV columns of it)
-            T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
-            # gates of chunk 0 (see the loop)
-            for i in T.Parallel(C):
-                g_f[i] = T.if_then_else(bos < eos, g_cum[T.min(bos + i, eos - 1), i_hv], 0)
+            # ---- barriers; arrive counts: every thread of each arriving role arrives once
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)      # producer -> all
+            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_state_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)    # chain -> output
+            bar_state_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)     # output -> chain
+            bar_scores_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)   # scores -> output
+            bar_scores_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)    # output -> scores
 
-            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=NUM_STAGES):
-                t0 = bos + c * C
-                n = T.min(eos - t0, C)                          # real rows of this chunk, 1..64
-                # full 64-row tiles by TMA; rows >= n (next sequence or zero fill) are masked below
-                T.copy(w[t0:t0 + C, i_hv, :], w_s)
-                T.copy(u[t0:t0 + C, i_hv, v0:v0 + BV], u_s)
-                T.copy(k[t0:t0 + C, i_h, :], k_s)
-                T.copy(q[t0:t0 + C, i_h, :], q_s)
-                # g <- g_cum of this chunk, rows >= n padded with the last real row, so every
-                # exponent below, g_i - g_j with i >= j or g_C - g_i, is <= 0. The consumers load
-                # the gates into registers one chunk ahead (a pipelined shared buffer would be
-                # handed back to the producer with w_s, right after W S, while still in use)
-                T.copy(g_f, g_s)
-                for i in T.Parallel(C):
-                    g_f[i] = g_cum[T.min(t0 + C + i, eos - 1), i_hv]
-                # S (fp32 registers) -> bf16 in shared memory, the wgmma operand
-                T.copy(h_f, h_s)
-                # V~ <- U - W S, zero rows >= n (they then add nothing to the state);
-                # V_d <- diag(exp(g_C - g)) V~, the decayed copy the state update reads
-                T.gemm(w_s, h_s, vn_f, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = T.if_then_else(i < n, u_s[i, j] - vn_f[i, j], 0)
-                    vd_f[i, j] = vn_f[i, j] * T.exp2((g_s[C - 1] - g_s[i]) * LOG2E)
-                T.copy(vn_f, vn_s)
-                T.copy(vd_f, vd_s)
-                # S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~, then O <- Q S (the incoming S, still
-                # in h_s) and P <- Q K^T: three products issued back to back, one wait
-                for i, j in T.Parallel(K, BV):
-                    h_f[i, j] = h_f[i, j] * T.exp2(g_s[C - 1] * LOG2E)
-                T.wgmma_gemm(k_s, vd_s, h_f, transpose_A=True)
-                T.wgmma_gemm(q_s, h_s, o_f, clear_accum=True)
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E), 0)
-                T.copy(p_f, p_s)
-                # O <- scale exp(g) Q S + P V~
-                for i, j in T.Parallel(C, BV):
-                    o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[i] * LOG2E))
-                T.gemm(p_s, vn_s, o_f)
-                # o[t0 : t0 + n] <- O, the chunk's own rows only, straight from the registers
-                for i, j in T.Parallel(C, BV):
-                    if i < n:
-                        o[t0 + i, i_hv, v0 + j] = o_f[i, j]
+            tx = T.get_thread_binding()
+            if tx < CHAIN_END:  # ---- the chain warpgroup
+                T.set_max_nreg(REGS_CHAIN, 1)
+                # S <- h0 (this CTA's BV columns of it)
+                T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
+                for c in T.serial(num_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    n = T.min(eos - bos - c * C, C)                # real rows of this chunk, 1..64
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_state_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    # S_c (fp32 registers) -> bf16 in slot b: the operand of W S here and of Q S
+                    # in the output warpgroup
+                    T.copy(h_f, h_s[b, :, :])
+                    # ---- chain math (s03's w, u form)
+                    # V~ <- U - W S, zero rows >= n (they then add nothing to the state);
+                    # V_d <- diag(exp(g_C - g)) V~, the decayed copy the state update reads
+                    T.gemm(w_s[s, :, :], h_s[b, :, :], vn_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        vn_f[i, j] = T.if_then_else(i < n, u_s[s, i, j] - vn_f[i, j], 0)
+                        vd_f[i, j] = vn_f[i, j] * T.exp2(g_s[s, C - 1] - g_s[s, i])
+                    T.copy(vd_f, vd_s)
+                    # ---- end of the chain math
+                    # S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~, issued without waiting ...
+                    for i, j in T.Parallel(K, BV):
+                        h_f[i, j] = h_f[i, j] * T.exp2(g_s[s, C - 1])
+                    T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
+                    # ... while V~_c goes to slot b and S_c, V~_c are handed to the output
+                    # warpgroup (generic-proxy stores that its wgmma reads: fence, then arrive)
+                    T.copy(vn_f, vn_s[b, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_state_ready[b])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_tiles_empty[s])
+                T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
 
-            T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
+            elif tx >= CHAIN_END and tx < SCORES_END:  # ---- the scores warpgroup
+                T.set_max_nreg(REGS_SCORES, 1)
+                for c in T.serial(num_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_scores_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal; the exponent
+                    # is clamped at 0 so that the masked upper triangle stays finite (no branch)
+                    T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_f[i, j] = scale * p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
+                        p_f[i, j] = T.if_then_else(j <= i, p_f[i, j], 0)
+                    T.barrier_arrive(bar_tiles_empty[s])
+                    T.copy(p_f, p_s[b, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_scores_ready[b])
 
-    return gdn_fused_h_o
+            elif tx >= SCORES_END and tx < OUTPUT_END:  # ---- the output warpgroup
+                T.set_max_nreg(REGS_OUTPUT, 1)
+                for c in T.serial(num_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    t0 = bos + c * C
+                    n = T.min(eos - t0, C)
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_state_ready[b], (c // NUM_HANDOFF) % 2)
+                    # O <- scale diag(exp(g)) Q S_c; the tile stage is then no longer needed
+                    T.gemm(q_s[s, :, :], h_s[b, :, :], o_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[s, i]))
+                    T.barrier_arrive(bar_tiles_empty[s])
+                    # O <- O + P_c V~_c
+                    T.barrier_wait(bar_scores_ready[b], (c // NUM_HANDOFF) % 2)
+                    T.gemm(p_s[b, :, :], vn_s[b, :, :], o_f)
+                    T.barrier_arrive(bar_state_free[b])
+                    T.barrier_arrive(bar_scores_free[b])
+                    # o[t0 : t0 + n] <- O, the chunk's own rows only, straight from the registers
+                    for i, j in T.Parallel(C, BV):
+                        if i < n:
+                            o[t0 + i, i_hv, v0 + j] = o_f[i, j]
 
+            elif tx >= OUTPUT_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for c in T.serial(num_chunks):
+                    s = c % NUM_STAGES
+                    t0 = bos + c * C
+                    T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
+                    # full 64-row boxes; rows past the sequence end are masked by the consumers
+                    T.tma_copy(q[t0:t0 + C, i_h, :], q_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(w[t0:t0 + C, i_hv, :], w_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(u[t0:t0 + C, i_hv, v0:v0 + BV], u_s[s, :, :], barrier=bar_tiles_full[s])
+                    # g <- log2(e) g_cum, rows past the end padded with the last real row, so every
+                    # exponent below (g_i - g_j with i >= j, g_C - g_i) is <= 0
+                    for i in T.Parallel(C):
+                        g_s[s, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
+                    T.barrier_arrive(bar_tiles_full[s])
+
+    return gdn_fused_ws
+
+
+# compile options beyond the target, as the stages use them. The fused kernel: no shared-memory
+# reuse (TileLang plans it as if the role branches ran one after another), fast math (exp2 is one
+# ex2.approx, no branch)
+PASS_CONFIGS = {fused_h_o_kernel: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}}
 
 
 @functools.cache
 def _compiled(builder, *shape):
-    return compile_hopper(builder(*shape))
+    return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
 
 
-def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Checked API inputs (bf16 q, k, v; K = V = 128) -> (o [B, T, HV, V] bf16, final state or None)."""
+def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
+    """Checked API inputs (bf16 q, k, v; K = V = 128) -> (o [B, T, HV, V] bf16, final state or None).
+
+    ``cp``: AutoCP's split (``flashqla.autocp.segment_chunks``' ``force``): None decides, False
+    never splits, True splits by the rule, an int is the segment length in chunks."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -303,22 +476,42 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     q, k = (x.contiguous().view(B * T, H, K) for x in (q, k))
     v = v.contiguous().view(B * T, HV, V)
     g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
-    chunks, _ = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
     seqs = seq_bounds(cu_seqlens, B, T, device)
     N = seqs.shape[0] - 1
-    h0 = (torch.zeros(N, HV, K, V, dtype=torch.float32, device=device) if initial_state is None
-          else initial_state.to(torch.float32).contiguous())
     bf16, fp32 = dict(dtype=torch.bfloat16, device=device), dict(dtype=torch.float32, device=device)
+    h0 = (torch.zeros(N, HV, K, V, **fp32) if initial_state is None
+          else initial_state.to(torch.float32).contiguous())
+    o = torch.empty(B * T, HV, V, **bf16)
+    if B * T == 0:
+        return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
+
+    chunks, _ = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
     g_cum = torch.empty(B * T, HV, **fp32)
     w, u = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, V, **bf16)
-    o, ht = torch.empty(B * T, HV, V, **bf16), torch.empty(N, HV, K, V, **fp32)
-    if B * T == 0:
-        ht.copy_(h0)
-    else:
-        with nvtx_range("fwd.chunk_local_cumsum"):
-            _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
-        with nvtx_range("fwd.chunk_fwd_intra"):
-            _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
-        with nvtx_range("fwd.chunk_h_o"):
-            _compiled(fused_h_o_kernel, H, HV, K, V)(q, k, w, u, g_cum, h0, seqs, scale, o, ht)
+    with nvtx_range("fwd.chunk_local_cumsum"):
+        _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
+    with nvtx_range("fwd.chunk_fwd_intra"):
+        _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
+
+    p = autocp.plan(cu_seqlens, B, T, HV, autocp.num_sms(device), V // BLOCK_V, device, force=cp)
+    if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
+        J = p.max_segments
+        # phase 1: Z (and M for exact heads) of every slot's warm-up window
+        win_start, exact, _ = autocp.warmup(p, g_cum, autocp.bound_violations(
+            k.view(B, T, H, K), g.view(B, T, HV), beta.view(B, T, HV)))
+        z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+        with nvtx_range("fwd.autocp_warmup"):
+            _compiled(warmup_kernel, H, HV)(k, w, u, g_cum, win_start, p.slot_start, exact, z, m)
+        # phase 2: h_j = Z_j + M_j h_{j-1}, slot j * N + n, all (sequence, head) pairs per step
+        hs = torch.empty(J, N * HV, K, V, **fp32)
+        hs[0].copy_(h0.view(N * HV, K, V))
+        zs, ms = z.view(J, N * HV, K, V), m.view(J, N * HV, K, K)
+        for j in range(1, J):
+            torch.baddbmm(zs[j], ms[j], hs[j - 1], out=hs[j])
+        seqs, h0 = p.bounds, hs.view(J * N, HV, K, V).index_select(0, p.slot_of_segment)
+    ht = torch.empty(h0.shape, **fp32)
+    with nvtx_range("fwd.chunk_h_o"):
+        _compiled(fused_h_o_kernel, H, HV, K, V)(q, k, w, u, g_cum, h0, seqs, scale, o, ht)
+    if p is not None and output_final_state:
+        ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -14,11 +14,12 @@ import torch
 HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
-def compile_hopper(prim_func):
-    """Lower and build a ``T.prim_func`` for sm_90a; works on a machine without a GPU."""
+def compile_hopper(prim_func, pass_configs: dict | None = None):
+    """Lower and build a ``T.prim_func`` for sm_90a; works on a machine without a GPU.
+    ``pass_configs``: TileLang's pass options (e.g. ``{"tl.enable_fast_math": True}``), if any."""
     import tilelang  # imported here: importing flashqla must not pull in TileLang
 
-    return tilelang.compile(prim_func, target=HOPPER_TARGET)
+    return tilelang.compile(prim_func, target=HOPPER_TARGET, pass_configs=pass_configs)
 
 
 @functools.cache

@@ -1,18 +1,21 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
-same TileLang program as the stage it was promoted from, and the API takes the kernel path exactly
-where it should."""
+same TileLang program as the stage it was promoted from and is compiled with the same options, the
+API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
+gdn_fwd check."""
 
 import pytest
 import torch
 
-from flashqla import bwd, fwd
+from flashqla import autocp, bwd, fwd
 from flashqla.api import kernel_unsupported
 from flashqla.stages import load
+from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
-    (fwd.fused_h_o_kernel, ("gdn_fwd", 3), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
+    (fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
     # the backward (kernels/gdn_bwd/s01_separate_kernels.py and the stages it runs)
     (bwd.chunk_kkt_kernel, ("chunk_kkt", 2), "chunk_kkt_kernel", (16, 32, 128)),
     (bwd.kkt_solve_kernel, ("kkt_solve", 1), "kkt_solve_kernel", (32,)),
@@ -31,20 +34,41 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
     assert builder(*shape).script() == getattr(load(*stage), stage_builder)(*shape).script()
 
 
+@pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED,
+                         ids=[f"{op}.s{n:02d}" for _, (op, n), _, _ in PROMOTED])
+def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_builder, shape,
+                                                         monkeypatch):
+    """The library compiles each kernel with its stage's target and pass configs (the fused forward
+    kernel is only correct without shared-memory reuse). tilelang.compile is replaced by a recorder:
+    nothing is compiled."""
+    import tilelang
+
+    calls = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append(options))
+    fwd._compiled.__wrapped__(builder, *shape)          # flashqla.bwd compiles through it too
+    load(*stage)._compiled.__wrapped__(*shape)
+    library, staged = calls
+    assert library == staged, (library, staged)
+
+
 def test_a_changed_kernel_is_caught():
     """The check above can fail: two different kernels print different programs."""
     assert fwd.chunk_fwd_intra_kernel(16, 32).script() != fwd.chunk_fwd_intra_kernel(16, 64).script()
 
 
-@pytest.mark.parametrize("constant, value, builder, stage, stage_builder", [
-    ("BV", 32, bwd.chunk_bwd_dhu_kernel, ("chunk_bwd_dhu", 1), "chunk_bwd_dhu_kernel"),
-    ("TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel"),
-], ids=["BV", "TWO_WG_THREADS"])
-def test_a_changed_backward_copy_is_caught(constant, value, builder, stage, stage_builder, monkeypatch):
-    """flashqla.bwd renames some of its stages' constants: a copy built with a different value
-    would no longer print the stage's program."""
-    monkeypatch.setattr(bwd, constant, value)
-    assert builder(16, 32).script() != getattr(load(*stage), stage_builder)(16, 32).script()
+@pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
+    (fwd, "H_O_THREADS", 256, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd, "REGS_CHAIN", 200, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
+    (bwd, "BV", 32, bwd.chunk_bwd_dhu_kernel, ("chunk_bwd_dhu", 1), "chunk_bwd_dhu_kernel", (16, 32)),
+    (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
+], ids=["fwd.H_O_THREADS", "fwd.REGS_CHAIN", "fwd.BLOCK", "bwd.BV", "bwd.TWO_WG_THREADS"])
+def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
+                                  monkeypatch):
+    """flashqla.fwd and flashqla.bwd hold their stages' constants (some renamed): a copy built with
+    a different value would no longer print the stage's program."""
+    monkeypatch.setattr(module, constant, value)
+    assert builder(*shape).script() != getattr(load(*stage), stage_builder)(*shape).script()
 
 
 @pytest.mark.parametrize("device, dtype, K, V, why", [
@@ -58,3 +82,20 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
     monkeypatch.setattr("flashqla.api.hopper_gpu_missing", lambda: None)  # pretend an H100 is here
     reason = kernel_unsupported(torch.device(device), dtype, K, V)
     assert reason is None if why is None else why in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (4096,)), None),                                 # the rule splits: 8 x 512 tokens
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, empty segment rows
+    (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
+], ids=["auto", "varlen-L4", "no-h0-L2"])
+def test_forward_with_autocp_within_the_bound(problem, cp):
+    """The library's forward split by AutoCP (the warm-up kernel, the chaining, the fused kernel
+    over segments) passes the gdn_fwd check against float64."""
+    x = problem.inputs("cuda", seed=1)
+    B, T = x["q"].shape[:2]
+    assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
+                       128 // fwd.BLOCK_V, "cuda", force=cp) is not None
+    check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)

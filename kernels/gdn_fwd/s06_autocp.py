@@ -1,6 +1,7 @@
 """gdn_fwd, stage 06: AutoCP, long sequences cut into segments whose chains run in parallel.
 
-What changed from the chain stage it builds on (``CHAIN``, s03's fused chain + output kernel):
+What changed from the chain stage it builds on (``CHAIN``, s05's warp-specialized fused chain +
+output kernel; the measurements below ran it on s03's, which s05 replaced with the same interface):
 nothing in that kernel; it now runs over segments of L chunks instead of whole sequences, as one
 varlen problem whose "sequences" are the segments, each started from its own initial state. Why:
 the chain is one sequential walk per (sequence, value head), so (2, 8) on one sequence of 32768
@@ -68,7 +69,7 @@ NEEDS = ("hopper",)
 # wgmma: W S and K^T V~ of the warm-up chain; tma_load: its K, W, U tiles (cp.async.bulk.tensor)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load")
 
-CHAIN = ("gdn_fwd", 3)  # the stage whose preparation and fused chain + output kernel run the segments
+CHAIN = ("gdn_fwd", 5)  # the stage whose preparation and fused chain + output kernel run the segments
 CHUNK_SIZE = 64         # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128          # K = V = 128 only (M is K x K, tiled like the state's V columns)
 BLOCK = 64              # state columns per CTA of the warm-up kernel
