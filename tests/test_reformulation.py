@@ -1,0 +1,146 @@
+"""The reformulation of gdn_fwd.s04: its identities in float64 (CPU), and its precision policy on
+adversarial inputs on the GPU.
+
+    Gamma * A_r = Ai                      the gate-free inverse carries the gate elementwise
+    (Gamma * Ab) (V - D K h) = u - w h    so w and u need not exist
+    |Ab_ij| <= 2 sqrt(beta_i beta_j)      while beta ||k||^2 <= 2 on every row of the chunk
+
+and past that bound the gate-free inverse overflows float32 where the gated one does not, so the
+kernels must detect such chunks (gate_free_solve.s01 flags them and solves them with the gate).
+"""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from flashqla import reference as R
+from flashqla import stages
+from flashqla.testing import Problem, cast_floats, check_op, rel_l2
+from flashqla.varlen import chunk_table
+
+C = R.CHUNK_SIZE
+
+
+def _chunked(x, ch):
+    """[B, T, HV, *rest] -> [N, NT, HV, C, *rest]."""
+    return R._heads_first(ch.pad(x))
+
+
+def _gamma(g_cum, ch):
+    """Gamma [N, NT, HV, C, C], exp(g_i - g_j) on j <= i and 0 above the diagonal."""
+    gam, low = R._decay_matrix(R._heads_first(ch.pad_g_cum(g_cum)), 0)
+    return torch.where(low, gam, torch.zeros_like(gam))
+
+
+def _f64(problem):
+    return cast_floats(problem.inputs(), torch.float64)
+
+
+def test_gamma_times_gate_free_inverse_is_the_gated_inverse():
+    x = _f64(Problem(2, 8, (70, 130, 1)))
+    k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
+    g_cum = R.chunk_local_cumsum(x["g"], cu)
+    ai = R.kkt_solve(R.chunk_kkt(k, g_cum, beta, cu), cu)
+    ch = R._chunking(k, cu, C)
+    want = _chunked(ai, ch) * _chunked(beta, ch)[..., None, :]                  # Ai diag(beta)
+    got = _gamma(g_cum, ch) * _chunked(R.gate_free_solve(k, beta, cu), ch)     # Gamma * Ab
+    assert (got - want).abs().max() < 1e-12
+
+
+def test_v_new_without_w_and_u():
+    x = _f64(Problem(4, 16, (200, 64, 33)))
+    q, k, v, beta, cu = x["q"], x["k"], x["v"], x["beta"], x["cu_seqlens"]
+    g_cum = R.chunk_local_cumsum(x["g"], cu)
+    w, u = R.chunk_fwd_intra(k, v, g_cum, beta, cu)
+    h, v_new, _ = R.chunk_h(k, w, u, g_cum, x["initial_state"], False, cu)
+    ch = R._chunking(q, cu, C)
+    kc = _chunked(R.expand_heads(k, v.shape[2]), ch)
+    gc = R._heads_first(ch.pad_g_cum(g_cum))
+    wy = _gamma(g_cum, ch) * _chunked(R.gate_free_solve(k, beta, cu), ch)
+    vt = wy @ (_chunked(v, ch) - torch.exp(gc)[..., None] * (kc @ ch.unpack_chunks(h)))
+    assert rel_l2(vt, _chunked(v_new, ch)) < 1e-12
+
+
+def _near_duplicate_keys(gen, B, T, H, K, scale=1.0, spread=1e-2):
+    """Per chunk of C tokens one random unit direction, each key that direction plus noise of
+    relative size ``spread``, normalized, times ``scale`` (so ||k||^2 = scale^2)."""
+    base = R.l2norm(torch.randn(B, -(-T // C), 1, H, K, generator=gen, dtype=torch.float64))
+    base = base.expand(-1, -1, C, -1, -1).reshape(B, -1, H, K)[:, :T]
+    return scale * R.l2norm(base + spread * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64))
+
+
+def test_bound_of_the_gate_free_inverse():
+    gen = torch.Generator().manual_seed(0)
+    T, H, HV = 256, 2, 4
+    k = _near_duplicate_keys(gen, 1, T, H, 128)
+    beta = 1 - 1e-3 * torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
+    for scale2 in (1.0, 2.0):                                        # beta ||k||^2 <= 2: bounded
+        ab = _chunked(R.gate_free_solve(math.sqrt(scale2) * k, beta), R._chunking(k, None, C))
+        bc = _chunked(beta, R._chunking(k, None, C))
+        assert (ab.abs() / (2 * (bc[..., :, None] * bc[..., None, :]).sqrt())).max() <= 1
+    # ||k||^2 = 9: the gate-free inverse grows by up to 8 a token and overflows float32, while
+    # under a decay of exp(-3) a token the gated inverse (what the recurrence needs) stays small
+    k9, b32 = (3 * k).float(), beta.float()
+    g_cum = R.chunk_local_cumsum(torch.full_like(b32, -3.0))
+    assert not torch.isfinite(R.gate_free_solve(k9, b32)).all()
+    gated = R.kkt_solve(R.chunk_kkt(k9, g_cum, b32))
+    assert torch.isfinite(gated).all() and gated.abs().max() < 1e3
+
+
+# ---- the GPU: gdn_fwd.s04 on adversarial inputs ---------------------------------------------
+
+ADVERSARIAL = ("near_duplicate_keys", "unnormalized_keys", "very_strong_decay")
+LENGTHS = (200, 777, 64, 1, 130)
+
+
+def adversarial_inputs(kind, H=4, HV=16, lengths=LENGTHS, device="cuda", seed=0):
+    """Keyword arguments for the forward (varlen, initial state), in kernel dtypes:
+
+    near_duplicate_keys  keys of a chunk within 1e-2 of one direction, L2-normalized; beta in
+                         (0.999, 1]; gates as in flashqla.testing.Problem (g = 0, strong, ordinary)
+    unnormalized_keys    the same keys times 3 (||k||^2 = 9); odd value heads beta ~ 1 with a decay
+                         of -3 to -4 a token (beta ||k||^2 = 9 > 2: the solve must keep the gate),
+                         even heads beta = 0.2 (1.8 <= 2: gate-free) with Problem's gates
+    very_strong_decay    random unit keys, beta ~ 1, g uniform in (-20, 0) a token
+    """
+    x = Problem(H, HV, lengths).inputs(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    B, T = x["v"].shape[:2]
+    near1 = 1 - 1e-3 * torch.rand(B, T, HV, generator=gen)
+    if kind == "near_duplicate_keys":
+        x.update(k=_near_duplicate_keys(gen, B, T, H, 128), beta=near1)
+    elif kind == "unnormalized_keys":
+        odd = torch.arange(HV) % 2 == 1
+        x.update(k=_near_duplicate_keys(gen, B, T, H, 128, scale=3.0),
+                 beta=torch.where(odd, near1, torch.full_like(near1, 0.2)),
+                 g=torch.where(odd, -3.0 - torch.rand(B, T, HV, generator=gen), x["g"]))
+    elif kind == "very_strong_decay":
+        x.update(beta=near1, g=-20.0 * torch.rand(B, T, HV, generator=gen))
+    else:
+        raise ValueError(f"adversarial_inputs: unknown `kind` {kind!r}")
+    x.update(k=x["k"].to(torch.bfloat16), beta=x["beta"].float(), g=x["g"].float())
+    return {name: val.to(device) if isinstance(val, torch.Tensor) else val for name, val in x.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_s04_on_adversarial_inputs(kind):
+    inputs = adversarial_inputs(kind, seed=zlib.crc32(kind.encode()))
+    check_op("gdn_fwd", stages.load("gdn_fwd", 4).run, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound():
+    x = adversarial_inputs("unnormalized_keys")
+    k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
+    g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
+    _, gated = stages.load("gate_free_solve", 1).solve(k, beta, g_cum, cu)
+    bounds, _ = chunk_table(cu, 1, k.shape[1], C, k.device)
+    growth = beta * R.expand_heads(k.float().pow(2).sum(-1, keepdim=True), beta.shape[2])[..., 0]
+    want = torch.stack([(growth[0, s:e] > 2).any(0) for s, e in bounds.tolist()]).int()
+    assert torch.equal(gated, want)
+    assert 0 < int(gated.sum()) < gated.numel()
