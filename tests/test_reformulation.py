@@ -17,7 +17,8 @@ import torch
 
 from flashqla import reference as R
 from flashqla import stages
-from flashqla.testing import Problem, cast_floats, check_op, rel_l2
+from flashqla.testing import (ADVERSARIAL, Problem, adversarial_inputs, cast_floats, check_op,
+                              near_duplicate_keys, rel_l2)
 from flashqla.varlen import chunk_table
 
 C = R.CHUNK_SIZE
@@ -63,18 +64,10 @@ def test_v_new_without_w_and_u():
     assert rel_l2(vt, _chunked(v_new, ch)) < 1e-12
 
 
-def _near_duplicate_keys(gen, B, T, H, K, scale=1.0, spread=1e-2):
-    """Per chunk of C tokens one random unit direction, each key that direction plus noise of
-    relative size ``spread``, normalized, times ``scale`` (so ||k||^2 = scale^2)."""
-    base = R.l2norm(torch.randn(B, -(-T // C), 1, H, K, generator=gen, dtype=torch.float64))
-    base = base.expand(-1, -1, C, -1, -1).reshape(B, -1, H, K)[:, :T]
-    return scale * R.l2norm(base + spread * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64))
-
-
 def test_bound_of_the_gate_free_inverse():
     gen = torch.Generator().manual_seed(0)
     T, H, HV = 256, 2, 4
-    k = _near_duplicate_keys(gen, 1, T, H, 128)
+    k = near_duplicate_keys(gen, 1, T, H, 128)
     beta = 1 - 1e-3 * torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
     for scale2 in (1.0, 2.0):                                        # beta ||k||^2 <= 2: bounded
         ab = _chunked(R.gate_free_solve(math.sqrt(scale2) * k, beta), R._chunking(k, None, C))
@@ -90,39 +83,6 @@ def test_bound_of_the_gate_free_inverse():
 
 
 # ---- the GPU: gdn_fwd.s04 on adversarial inputs ---------------------------------------------
-
-ADVERSARIAL = ("near_duplicate_keys", "unnormalized_keys", "very_strong_decay")
-LENGTHS = (200, 777, 64, 1, 130)
-
-
-def adversarial_inputs(kind, H=4, HV=16, lengths=LENGTHS, device="cuda", seed=0):
-    """Keyword arguments for the forward (varlen, initial state), in kernel dtypes:
-
-    near_duplicate_keys  keys of a chunk within 1e-2 of one direction, L2-normalized; beta in
-                         (0.999, 1]; gates as in flashqla.testing.Problem (g = 0, strong, ordinary)
-    unnormalized_keys    the same keys times 3 (||k||^2 = 9); odd value heads beta ~ 1 with a decay
-                         of -3 to -4 a token (beta ||k||^2 = 9 > 2: the solve must keep the gate),
-                         even heads beta = 0.2 (1.8 <= 2: gate-free) with Problem's gates
-    very_strong_decay    random unit keys, beta ~ 1, g uniform in (-20, 0) a token
-    """
-    x = Problem(H, HV, lengths).inputs(seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    B, T = x["v"].shape[:2]
-    near1 = 1 - 1e-3 * torch.rand(B, T, HV, generator=gen)
-    if kind == "near_duplicate_keys":
-        x.update(k=_near_duplicate_keys(gen, B, T, H, 128), beta=near1)
-    elif kind == "unnormalized_keys":
-        odd = torch.arange(HV) % 2 == 1
-        x.update(k=_near_duplicate_keys(gen, B, T, H, 128, scale=3.0),
-                 beta=torch.where(odd, near1, torch.full_like(near1, 0.2)),
-                 g=torch.where(odd, -3.0 - torch.rand(B, T, HV, generator=gen), x["g"]))
-    elif kind == "very_strong_decay":
-        x.update(beta=near1, g=-20.0 * torch.rand(B, T, HV, generator=gen))
-    else:
-        raise ValueError(f"adversarial_inputs: unknown `kind` {kind!r}")
-    x.update(k=x["k"].to(torch.bfloat16), beta=x["beta"].float(), g=x["g"].float())
-    return {name: val.to(device) if isinstance(val, torch.Tensor) else val for name, val in x.items()}
-
 
 @pytest.mark.gpu
 @pytest.mark.hopper

@@ -30,14 +30,40 @@ ends the chunk, with P V~ issued asynchronously before it.
 Precision: where gate_free_solve.s01 found a chunk with beta ||k||^2 > 2 on some row (A_r could
 overflow; never for L2-normalized keys with beta <= 2) it solved the gated matrix instead and
 flagged it; this kernel reads the flag per (chunk, value head) and then uses Ab as it is, so no
-input gives a silently wrong result (``tests/test_reformulation.py`` checks near-duplicate keys,
-unnormalized keys, beta near 1 and very strong decay against float64). In a CPU emulation of both
-kernels' roundings (bf16 operands, fp32 accumulation, notebooks/04), the bf16 rounding of the WY
-tile costs some accuracy where keys nearly repeat within a chunk: final-state error 8.6e-3 against
-6.3e-3 for s03's path, the bf16 PyTorch reference at 9.0e-3 (the test bound is twice that); on the
-test problems 3.7e-3 against 3.2e-3 (reference 8.0e-3). Storing Ab in fp32 changed none of these.
+input gives a silently wrong result (``tests/test_reformulation.py``: near-duplicate keys with beta
+near 1, keys of norm 3, decays down to -20 a token, against float64). Relative L2 errors measured
+on the GPU (profiles/reformulation_lab.py errors; the bf16 PyTorch reference in brackets, the test
+bound is twice it), s04 against s03: o 6.6e-3 vs 5.6e-3 [7.1e-3] and final state 4.7e-3 vs 4.0e-3
+[5.6e-3] on near-duplicate keys; o 2.0e-2 vs 1.3e-2 [4.0e-2] on the unnormalized keys (half the
+heads flagged); 2.5e-3 for both [1.1e-1] under very strong decay and 3.5e-3 for both [6.0e-3] on
+a public problem. The extra error on near-duplicate keys is the bf16 rounding of the WY tile
+Gamma * Ab (a CPU emulation with that tile in fp32 halves it); storing Ab in fp32 instead of bf16
+changed the emulated errors by less than 1 %.
 
-Measured effect: to be measured.
+Measured effect (one H200, CUDA events, median of 20 after 3 warm-up calls, all in one run of
+profiles/reformulation_lab.py timing; ms):
+
+    (H, HV) tokens       s04 kernel  s03 kernel  fwd_intra (w, u)  FLA fwd  s03 run  promoted
+    (16, 64) 1 x 32768   2.286       2.027       1.430             4.203    3.556    3.366
+    (2, 8)   1 x 32768   2.222       1.917       0.200             1.281    2.168    2.138
+    (16, 32) 8 x 4096    1.113       0.947       0.719             2.570    1.834    1.653
+
+(promoted = flashqla.fwd as it was then: cumsum, chunk_fwd_intra.s01, s03's kernel; the s04
+kernel timed there computed the Gamma tile after the wait for Q K^T; it now does so while U and
+Q S run, a change the GPU tests passed and that is still to be timed). The reformulated kernel is
+13-17 % slower than s03's although it reads fewer bytes: s03 was latency-bound along the chunk
+chain (Nsight Compute), s04 is not profiled yet, and its chain has one more dependent product (K S, then WY W, then the state update,
+where s03 has W S and the update), one more shared-memory round trip and its barriers. So the
+reformulation pays only where the preparation it keeps (cumsum + gate_free_solve) undercuts
+chunk_fwd_intra by more than 0.26 / 0.31 / 0.17 ms. In that run ``run`` took 6.00 / 2.59 / 2.91 ms
+because of a slow first version of the solve (gate_free_solve.s01's docstring). With the fixed
+solve, in the benchmark (``python -m flashqla bench``, one H200, CUDA-graph replay, commit 9ef1cd8,
+all rows in one run; ``profiles/results/gdn_fwd.csv``) ``run`` is the fastest stage on most of
+the problems timed: (16, 64) 1 x 32768 2.81 ms (s03 3.66, s05 2.90, FLA 3.99, FlashQLA 1.54),
+(16, 64) 8 x 4096 2.75 (s03 3.57, FLA 3.52, FlashQLA 1.24), (16, 32) 8 x 4096 1.49 (s03 1.89,
+FLA 1.78, FlashQLA 0.64); on (16, 32) 1 x 32768 2.58 against s05's 2.12. The gain over s03 is the
+preparation: the gate-free solve replaces chunk_kkt, kkt_solve and chunk_w_u. Next: the chain in a warpgroup of its own (s05's organization), where the
+extra product can overlap the output work.
 
 Taught in: notebooks/04_reformulation.py
 """
