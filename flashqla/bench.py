@@ -294,6 +294,8 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
         except Exception as exc:  # noqa: BLE001 -- its check below fails it and says why
             print(f"compile of a row failed: {type(exc).__name__}: {exc}", flush=True)
 
+    import tilelang  # noqa: F401 -- imported once here: importing it on several threads at once fails
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(compile_row, jobs))
     print(f"{time.strftime('%X')} compiled; checking", flush=True)

@@ -227,6 +227,8 @@ def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> Non
     outside the GIL), so compiling them on threads before a GPU test or benchmark run takes the
     time of the slowest few instead of their sum.
     """
+    import tilelang  # noqa: F401 -- imported once here: importing it on several threads at once fails
+
     jobs = [(s, op_inputs(s.op, Problem(H, HV, (70,)).inputs(device)))  # serially: torch's lazy
             for s in stages if not s.missing() for H, HV in heads]        # inits are not thread-safe
     runs_triton = [("fla" in stage.module.NEEDS) for stage, _ in jobs]  # Triton's autotuner is

@@ -8,10 +8,10 @@ On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 An optional second argument, a time limit in seconds, dumps the stacks 10 s before it.
 
 ``errors`` runs flashqla.testing.check_op's measurement (no assertion) for gdn_fwd.s03 and s04 on
-the adversarial inputs of tests/test_reformulation.py and on a public problem. ``timing`` times,
+the adversarial inputs of flashqla.testing (as tests/test_reformulation.py) and on a public problem. ``timing`` times,
 per problem, each entry once per repeat after 3 warm-up calls (flashqla.timing.median_ms, 20
 repeats): FLA's chunk_gated_delta_rule (gdn_fwd.s00, FLA_FLASH_QLA=0), gdn_fwd.s03's run, the
-promoted forward (flashqla.fwd: chunk_fwd_intra.s01 + s03's fused kernel), gdn_fwd.s04's run, the
+promoted forward (flashqla.fwd: chunk_fwd_intra.s01 + the fused kernel; s03's when these numbers were taken), gdn_fwd.s04's run, the
 two fused kernels alone (inputs precomputed), and the two preparations alone: chunk_fwd_intra.s01
 (w, u) and gate_free_solve.s01 (Ab), the latter also with one value head per CTA.
 """
@@ -20,22 +20,18 @@ import concurrent.futures
 import functools
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from flashqla import fwd, stages
-from flashqla.testing import OPS, Problem, cast_floats, rel_l2, warm_up
+from flashqla.testing import (ADVERSARIAL, OPS, Problem, adversarial_inputs, cast_floats, rel_l2,
+                              warm_up)
 from flashqla.timing import median_ms
 
 PROBLEMS = (Problem(16, 64, (32768,)), Problem(2, 8, (32768,)), Problem(16, 32, (4096,) * 8))
 
 
 def errors():
-    from test_reformulation import ADVERSARIAL, adversarial_inputs
-
     ref_fn = OPS["gdn_fwd"][0]
     cases = [(kind, adversarial_inputs(kind, seed=1)) for kind in ADVERSARIAL]
     cases.append(("public (4, 16) varlen", Problem(4, 16, (200, 777, 64, 1, 130)).inputs("cuda", 1)))
