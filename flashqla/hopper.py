@@ -8,6 +8,7 @@ cells), never through ``exec`` of a string. Compiled kernels are cached on disk
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -31,3 +32,19 @@ def hopper_gpu_missing() -> str | None:
     if major != 9:
         return f"needs an SM90 (Hopper) GPU; this one is sm_{major}{minor}"
     return None
+
+
+def cuda_excerpt(source: str, features, width: int = 110) -> None:
+    """Print, per (what, regex) in ``features``, how many lines of generated CUDA ``source`` match
+    and the first of them; then the features with no match. For reading what a stage compiled to."""
+    lines = source.splitlines()
+    print(f"{len(lines)} lines of CUDA C++")
+    absent = []
+    for what, pattern in features:
+        hits = [line.strip() for line in lines if re.search(pattern, line)]
+        if not hits:
+            absent.append(what.split(":")[0].split(" (")[0])
+            continue
+        first = hits[0] if len(hits[0]) <= width else hits[0][:width] + " ..."
+        print(f"  {len(hits):3d} x {what}\n        {first}")
+    print("  absent:", ", ".join(dict.fromkeys(absent)) or "none")

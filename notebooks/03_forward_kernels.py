@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, import
 import tilelang
 
 from flashqla import bench, fwd
-from flashqla.hopper import hopper_gpu_missing
+from flashqla.hopper import cuda_excerpt, hopper_gpu_missing
 from flashqla.stages import KERNELS_DIR, OPS, discover, load
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
                               op_inputs)
@@ -143,20 +143,6 @@ FEATURES = (  # (what it is, a pattern matched against each line of the generate
 )
 
 
-def cuda_excerpt(source, width=110):
-    """Per feature: how many lines of the generated CUDA hold it, and the first such line."""
-    lines = source.splitlines()
-    print(f"{len(lines)} lines of CUDA C++")
-    for what, pattern in FEATURES:
-        hits = [line.strip() for line in lines if re.search(pattern, line)]
-        if hits:
-            first = hits[0] if len(hits[0]) <= width else hits[0][:width] + " ..."
-            print(f"  {len(hits):3d} x {what}\n        {first}")
-    absent = [what.split(":")[0].split(" (")[0] for what, pattern in FEATURES
-              if not any(re.search(pattern, line) for line in lines)]
-    print("  absent:", ", ".join(dict.fromkeys(absent)))
-
-
 # %% [markdown]
 # A count is of *lines* of source, not of instructions executed: a line inside an unrolled or
 # serial loop runs many times (a `wgmma` line sits in a loop over the $K / 16$ slices of the
@@ -212,7 +198,7 @@ if s01:
 
 # %%
 if s01:
-    cuda_excerpt(s01.kernel_source())
+    cuda_excerpt(s01.kernel_source(), FEATURES)
 
 # %% [markdown]
 # ### Napkin math: why it cannot be fast
@@ -300,7 +286,7 @@ for op, number in steps:
 chunk_h = stage_module("chunk_h", 1)
 if chunk_h:
     show_kernel(chunk_h)
-    cuda_excerpt(chunk_h.kernel_source())
+    cuda_excerpt(chunk_h.kernel_source(), FEATURES)
 
 # %% [markdown]
 # And `chunk_o`, which reads them back: per chunk, $Q h$ and $Q K^\top$ from shared memory, then
@@ -310,7 +296,7 @@ if chunk_h:
 chunk_o = stage_module("chunk_o", 1)
 if chunk_o:
     show_kernel(chunk_o)
-    cuda_excerpt(chunk_o.kernel_source())
+    cuda_excerpt(chunk_o.kernel_source(), FEATURES)
 
 # %% [markdown]
 # ### Napkin math: one chunk, kernel by kernel
@@ -411,7 +397,7 @@ if s03:
 
 # %%
 if s03:
-    cuda_excerpt(s03.kernel_source())
+    cuda_excerpt(s03.kernel_source(), FEATURES)
 
 # %% [markdown]
 # ### Napkin math: what fusing saves, and what it cannot
