@@ -8,8 +8,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 def test_notebooks_exist():
-    assert [p.name for p in NOTEBOOKS][:3] == ["01_recurrence.py", "02_chunked_form.py",
-                                               "03_forward_kernels.py"]
+    assert [p.name for p in NOTEBOOKS] == ["01_recurrence.py", "02_chunked_form.py", "03_forward_kernels.py",
+                                           "04_reformulation.py", "05_autocp.py", "06_backward.py"]
 
 
 @pytest.mark.slow
