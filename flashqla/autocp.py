@@ -46,6 +46,7 @@ THRESHOLD = -10.0          # cumulative log decay at which a warm-up window is l
 MIN_SEGMENT_CHUNKS = 8     # shortest segment (512 tokens): shorter ones cost more to start than they save
 MAX_SEGMENTS = 32          # most segments per sequence: the length of the sequential chaining loop
 MAX_WARMUP_CHUNKS = 64     # longest warm-up (4096 tokens, |g| >= 0.0025 a token); beyond it: exact
+MIN_SEGMENTS = 3           # fewest segments of an automatic split: two lost (see segment_chunks)
 MIN_SAVED_CHUNKS = 40      # fixed device cost of the plan and the chaining, in chunk steps of the
                            # fused kernel: ~0.13 ms against ~3.6 us a step (H200, s03, measured in
                            # profiles/autocp_lab.py); CP must save more chunk steps than that
@@ -65,8 +66,11 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     steps of the fused kernel: phase 3 takes L, phase 1 at most L steps of a chain without the
     output, about half as long each (s03: 1.7 against 3.6 us a chunk), plus a fixed cost of
     MIN_SAVED_CHUNKS; without CP, the longest sequence's chunks. Automatic (``force`` None):
-    split when J >= 2 (so about half the SMs or more would idle) and longest - 1.5 L >=
-    MIN_SAVED_CHUNKS. ``force``: False never splits, True splits with this L even when J = 1, an
+    split when J >= MIN_SEGMENTS = 3 and longest - 1.5 L >= MIN_SAVED_CHUNKS. Two segments at
+    best take 1.5 / 2 of the chain and lose in practice: on (16, 32) 1 x 32768 (H200, s05's kernel
+    as the chain, ``profiles/results/gdn_fwd.csv`` at commit 9ef1cd8) 2 segments took 2.46 ms
+    against 2.12 without CP, as the g = 0 heads' phase 1 walks a whole segment with K extra state
+    columns (the transition M). ``force``: False never splits, True splits with this L even when J = 1, an
     int is L itself. (Eager calls add about 1.4 ms of host time that this does not count.)
     """
     if force is False or num_tokens == 0:
@@ -83,7 +87,7 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     L = max(MIN_SEGMENT_CHUNKS, -(-longest // MAX_SEGMENTS), fit)
     J = -(-longest // L)
     L = -(-longest // J)                               # J segments of (nearly) equal length
-    if force is None and (J < 2 or 2 * longest - 3 * L < 2 * MIN_SAVED_CHUNKS):
+    if force is None and (J < MIN_SEGMENTS or 2 * longest - 3 * L < 2 * MIN_SAVED_CHUNKS):
         return 0
     return L
 

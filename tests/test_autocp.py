@@ -39,7 +39,8 @@ def test_decision_rule():
     assert rule(32768, 1, 32768, 64, 132, 2) == 0
     assert rule(32768, 1, 32768, 8, 132, 2) == 64                   # 8 segments x 16 CTAs
     assert rule(32768, 1, 32768, 16, 132, 2) == 128                 # 4 segments x 32 CTAs
-    assert rule(32768, 1, 32768, 32, 132, 2) == 256                 # 2 segments x 64 CTAs
+    assert rule(32768, 1, 32768, 32, 132, 2) == 0                   # 2 segments x 64 CTAs: too few
+    assert rule(65536, 1, 65536, 16, 132, 2) == 256                 # 4 segments x 32 CTAs
     assert rule(256, 1, 256, 8, 132, 2) == 0                        # 4 chunks: shorter than L
     assert rule(8 * 32768, 8, 32768, 8, 132, 2) == 0                # 8 x 16 CTAs: SMs busy enough
     assert rule(2048, 1, 2048, 8, 132, 2) == 0                      # 4 x 8: saves 20 chunk steps < 40
@@ -60,7 +61,7 @@ def test_auto_split_fills_at_most_one_wave(heads, seqs):
         L = autocp.segment_chunks(seqs * tokens, seqs, tokens, heads, 132, 2)
         if L:
             segments = seqs * math.ceil(tokens / (C * L))
-            assert 2 <= math.ceil(tokens / (C * L)) <= autocp.MAX_SEGMENTS
+            assert autocp.MIN_SEGMENTS <= math.ceil(tokens / (C * L)) <= autocp.MAX_SEGMENTS
             assert segments * heads * 2 <= 132, (heads, seqs, tokens, L)
 
 

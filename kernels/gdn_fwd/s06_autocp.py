@@ -49,7 +49,9 @@ preparation 0.60 (unchanged from s03), plan (bound check, windows) 0.13, phase 1
 exact heads' 128-chunk walks), phase 2 0.05, phase 3 0.44 (s03's kernel on the whole sequence:
 3.71). At 8192: 0.22 + 0.08 + 0.04 + 0.05 + 0.07. The fixed cost (~0.13 ms on the device) loses
 at 2048 tokens, so the rule now also asks CP to save at least 40 chunk steps (off at 2048; the
-"s06 auto" rows of the CSV were measured with the rule before that). Eager calls pay ~1.4 ms of
+"s06 auto" rows of the CSV were measured with the rule before that). With s05's kernel as the
+chain, a 2-segment split lost on (16, 32) 1 x 32768 (2.46 against 2.12 ms, the benchmark at commit
+9ef1cd8), so an automatic split now needs 3 segments or more (``autocp.MIN_SEGMENTS``). Eager calls pay ~1.4 ms of
 host time for the ~45 small launches of the plan and the chaining: CP pays eagerly only from
 about 32768 tokens; it is meant to run captured. (16, 64) forced on (one segment, no split) costs
 0.1-0.45 ms more than s03. FlashQLA's forward on (2, 8) 1 x 32768 is 0.40 ms (NOTES.md).
