@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashqla.varlen import seq_bounds
+from flashqla.varlen import capturing, seq_bounds
 
 THRESHOLD = -10.0          # cumulative log decay at which a warm-up window is long enough
 MIN_SEGMENT_CHUNKS = 8     # shortest segment (512 tokens): shorter ones cost more to start than they save
@@ -121,7 +121,7 @@ def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: in
     L = segment_chunks(num_tokens, num_seqs, longest, num_heads, num_sms, ctas_per_head, force)
     if not L or num_seqs == 0:
         return None
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return _build_plan(cu_seqlens, batch, seqlen, L, device)  # the graph owns what it reads
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, L, str(device))

@@ -92,10 +92,16 @@ def _graph_or_events(fn, sets, repeat: int) -> tuple[float, str]:
     return statistics.median(times), method
 
 
-def input_sets(problem: Problem, l2_bytes: int) -> list[dict]:
+def problem_inputs(problem: Problem, seed: int, training: bool = False) -> dict:
+    """One input set of ``problem`` on the GPU; for a training step with its upstream gradients."""
+    x = problem.inputs("cuda", seed=seed)
+    return _with_upstream_grads(x, seed) if training else x
+
+
+def input_sets(problem: Problem, l2_bytes: int, training: bool = False) -> list[dict]:
     """Enough independent input sets of ``problem`` to exceed twice the L2 cache together."""
     n_sets = max(1, math.ceil(2 * l2_bytes / useful_bytes(problem)))
-    return [problem.inputs("cuda", seed=i) for i in range(n_sets)]
+    return [problem_inputs(problem, i, training) for i in range(n_sets)]
 
 
 def time_row(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
@@ -196,7 +202,7 @@ def _autograd_step(fn):
         with torch.enable_grad():
             o, ht = fn(**{**x, **leaves, "output_final_state": True})
             grads = torch.autograd.grad((o, ht), list(leaves.values()), (x["do"], x["dht"]))
-        return grads[:3] + (grads[3], grads[4], grads[5])
+        return grads
     return step
 
 
@@ -275,18 +281,13 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     """Check, then time every row on every problem; the CSV (``keep``'s rows of other problems,
     then this run's) is rewritten after each problem."""
     training = mode is TRAINING
-
-    def inputs(p: Problem, seed: int) -> dict:
-        x = p.inputs("cuda", seed=seed)
-        return _with_upstream_grads(x, seed) if training else x
-
     cands = mode.candidates()
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
     # JIT-compile our TileLang rows (the stages and the API) for every head configuration, all on
     # threads (one run hung compiling in the main thread after a threaded warm-up); the peers
     # compile or autotune in their first, untimed call
-    jobs = [(fn, inputs(Problem(H, HV, (70,)), 0)) for H, HV in heads
+    jobs = [(fn, problem_inputs(Problem(H, HV, (70,)), 0, training)) for H, HV in heads
             for name, fn, _ in cands if name not in mode.peers]
     def compile_row(job):
         try:
@@ -318,7 +319,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
         flops, nbytes = mode.flops(p), mode.bytes(p)
         floor_ms = max(flops / tflops_roof / 1e9, nbytes / gbs_roof / 1e6)
         base = {}
-        sets = [inputs(p, i) for i in range(max(1, math.ceil(2 * l2 / useful_bytes(p))))]
+        sets = input_sets(p, l2, training)
         for name, fn, _ in cands:
             if name in failed:
                 rows.append(dict(problem=p.label, impl=name, ms="", method="FAILED its check"))

@@ -45,13 +45,19 @@ def num_chunk_rows(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chu
     return seqlen // chunk_size + cu_seqlens.shape[0] - 1
 
 
+def capturing(device) -> bool:
+    """Whether work for ``device`` is being captured into a CUDA graph now: a cached tensor must not
+    be handed to the graph then (the graph must own what it reads; the cache frees on replacement)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 _last_table: dict = {}
 
 
 def chunk_table(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_size: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(bounds int32 [NT, 2], first_chunk int32 [N + 1]); see the module docstring."""
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return _build_chunk_table(cu_seqlens, batch, seqlen, chunk_size, device)
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, chunk_size, str(device))
