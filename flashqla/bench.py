@@ -22,7 +22,7 @@ Each row gives ms, the ratio to each baseline (>1: faster than it), TFLOP/s and 
 percentage of the roofs measured in the same run (an 8192^3 bf16 matmul, a 1 GiB copy) and
 ``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the card's floor for this work.
 
-Before timing, every flashqla row is checked against the float64 reference
+Before timing, every flashqla row (not the peers') is checked against the float64 reference
 (``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
 reported as FAILED and not timed. ``python -m flashqla bench --report`` redraws the plot and the
 README table from the committed CSV, on any machine.
@@ -161,21 +161,26 @@ def versions(commit: str) -> dict:
 
 
 def candidates() -> list[tuple[str, object, object]]:
-    """(row name, fn(inputs dict) -> outputs, stage or None) for everything this machine can run."""
+    """(row name, fn(inputs dict) -> outputs, checked against the reference?) for everything this
+    machine can run."""
     from flashqla.api import chunk_gated_delta_rule
 
     rows = []
     for stage in discover():
         if stage.op == "gdn_fwd" and not stage.missing():
+            # s00 is FLA's own forward, a peer: unchecked here like FlashQLA (its stage test checks
+            # it). Checked first on the small varlen problem, FLA's forward then hit an illegal
+            # memory access on (2, 8) and (4, 16) 1 x 2048 (three runs, H200); alone on the same
+            # inputs it did not
             name = FLA_ROW if stage.number == 0 else stage.name
-            rows.append((name, lambda x, s=stage: s.module.run(**x), stage))
+            rows.append((name, lambda x, s=stage: s.module.run(**x), stage.number != 0))
     try:
         import flash_qla
 
-        rows.append((FLASHQLA_ROW, lambda x: flash_qla.chunk_gated_delta_rule(**x), None))
+        rows.append((FLASHQLA_ROW, lambda x: flash_qla.chunk_gated_delta_rule(**x), False))
     except ImportError:
         pass
-    rows.append((API_ROW, lambda x: chunk_gated_delta_rule(**x), "api"))
+    rows.append((API_ROW, lambda x: chunk_gated_delta_rule(**x), True))
     return rows
 
 
