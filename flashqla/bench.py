@@ -153,7 +153,7 @@ def versions(commit: str) -> dict:
             return "absent"
 
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
+                            capture_output=True, text=True).stdout.splitlines()[0]  # one line per GPU
     return dict(gpu=torch.cuda.get_device_name(), driver=driver, cuda=torch.version.cuda,
                 torch=torch.__version__, tilelang=tilelang.__version__, fla=version("fla"),
                 flash_qla=version("flash_qla"), commit=commit,
@@ -382,14 +382,19 @@ def read_csv(path: Path) -> list[dict]:
 def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
     """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    meta = rows[0]
+    # one value per provenance field; shards run as separate processes (one per GPU, or later
+    # commits for some head configurations) list each value, and each measured its own roofs
+    meta = {k: ", ".join(dict.fromkeys(r[k] for r in rows)) for k in rows[0]}
+    for k in ("gemm_roof_tflops", "copy_roof_gbs"):
+        vals = sorted({int(r[k]) for r in rows})
+        meta[k] = f"{vals[0]}" if len(vals) == 1 else f"{vals[0]}-{vals[-1]}"
     head = ("| problem | " + " | ".join(impls)
             + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n" + "|" + "---|" * (len(impls) + 5))
     lines = [f"{mode.title.capitalize()}, ms (median, {meta['gpu']}, driver {meta['driver']}, "
              f"CUDA {meta['cuda']}, "
              f"torch {meta['torch']}, TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla "
              f"{meta['flash_qla']}, commit {meta['commit']}, {meta['date']}; roofs measured in the "
-             f"same run: bf16 GEMM {meta['gemm_roof_tflops']} TFLOP/s, copy {meta['copy_roof_gbs']} "
+             f"same process: bf16 GEMM {meta['gemm_roof_tflops']} TFLOP/s, copy {meta['copy_roof_gbs']} "
              "GB/s). x floor: the best stage's time over the card's floor for this work. Timing, TFLOP/s, "
              f"GB/s and % of roofs per row in `profiles/results/{mode.name}.csv`.", "", head]
     for label in dict.fromkeys(r["problem"] for r in rows):

@@ -1,5 +1,7 @@
 """The benchmark's napkin math and its committed results: the README table is the CSV's."""
 
+import pytest
+
 from flashqla import bench
 from flashqla.testing import Problem
 
@@ -24,12 +26,13 @@ def test_a_partial_run_replaces_its_problems_and_keeps_the_others():
     assert bench.merge_rows(old[1:], new) == [*new, old[1]]  # in the order of bench.PROBLEMS
 
 
-def test_readme_table_is_regenerated_from_the_committed_csv():
-    rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
+@pytest.mark.parametrize("mode", bench.MODES.values(), ids=lambda m: m.name)
+def test_readme_table_is_regenerated_from_the_committed_csv(mode):
+    rows = bench.read_csv(bench.RESULTS / f"{mode.name}.csv")
     text = bench.README.read_text()
-    begin, end = bench.markers()
+    begin, end = bench.markers(mode)
     block = text[text.index(begin) + len(begin):text.index(end)]
-    assert block.strip() == bench.readme_table(rows).strip(), \
+    assert block.strip() == bench.readme_table(rows, mode).strip(), \
         "README results are stale: run `python -m flashqla bench --report`"
     for r in rows:  # provenance on every row
         assert all(r[c] for c in ("gpu", "driver", "cuda", "torch", "tilelang", "fla", "flash_qla",

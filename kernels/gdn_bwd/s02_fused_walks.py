@@ -55,7 +55,12 @@ two defects found afterwards in its SASS and fixed here:
 
 Unchanged since that run: finish 0.13 ms where s01's PyTorch dk sum and reverse cumsum took
 0.75 ms; chunk_bwd_dqkwg.s01 2.10 ms and wy_bwd.s01 2.14 ms. The fixed build passes the GPU
-tests (24 of 24); its times are to be measured. The walk keeps 1 CTA per SM (145 KiB of shared
+tests (24 of 24). Timed as a training step after the promoted forward (``python -m flashqla bench
+--mode gdn_train``, H200, 18 problems of six head configurations, profiles/results/gdn_train.csv):
+0.73-1.28x FLA's autograd step (geomean 1.03x); 1.05-3.78x s01's, but s01's rows are timed with
+events (its host synchronization fails graph capture), so launch gaps count there; on (16, 64) 1 x 32768 12.23 ms against s01 12.82, FLA 15.41
+and FlashQLA 7.01. Behind FLA on the 1 x 8192 problems and on (16, 16), (4, 16), (2, 8) 1 x 32768:
+few (sequence, head) pairs leave each walk a few dozen CTAs. The walk keeps 1 CTA per SM (145 KiB of shared
 memory, 184 registers), so at (16, 64) its 256 CTAs run in two waves and only few-head problems
 overlap the two walks.
 

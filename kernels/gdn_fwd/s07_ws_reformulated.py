@@ -71,7 +71,14 @@ another warpgroup's wgmma reads (h_s, wy_s, vn_s, p_s).
 
 Precision: s04's (the same products in the same precisions; WY rounded to bf16 for the wgmma).
 
-Measured effect: not yet run on a GPU (drafted without device time); to be tested and timed.
+Measured effect (``python -m flashqla bench``, 4 x H200, one process per GPU, commits e212655 and
+ffe07cf, CUDA-graph replay; rows in profiles/results/gdn_fwd.csv): over the 30 problems of six head
+configurations, 1.03-1.40x s05 and 1.16-1.49x s04 (the fastest stage on all 30): s04's cheaper
+preparation and s05's overlap add up. On (16, 64) 1 x 32768: 2.049 ms against s05 2.870, s04 2.799,
+FLA 3.963 and FlashQLA 1.522, 4.3x the floor (0.74x FlashQLA). Against the peers: 0.45-1.93x FLA
+(geomean 1.12x; behind on the 1 x 2048 problems and the few-head ones, where the preparation's
+launches and the chain's per-chunk latency are not amortized), 0.33-1.11x FlashQLA (geomean
+0.55x; ahead only on (16, 48) 28672+4096). GPU tests: 24 of 24 public problems (H200).
 
 Taught in: notebooks/04_reformulation.py
 """
