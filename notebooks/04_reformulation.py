@@ -1257,8 +1257,9 @@ cuda_excerpt(s07.kernel_source(), FEATURES)
 # writes `profiles/results/gdn_fwd.csv`. The committed file holds six head layouts, timed on one
 # 4 x H200 host, one process per GPU. This chapter reads two of them, (16, 64) and (16, 32), each with
 # one sequence of 2048, 8192 or 32768 tokens and two varlen batches. The rows of this chapter's
-# stages next to s03, the entry point (the promoted kernels: the fused preparation
-# `chunk_fwd_intra.s01`, s05's fused kernel, AutoCP) and the two peers, in ms:
+# stages next to s03, the entry point (the promoted kernels at the run's commit: the fused
+# preparation `chunk_fwd_intra.s01`, s05's fused kernel, AutoCP; the library has since promoted
+# s07, through s08) and the two peers, in ms:
 
 # %%
 s03 = load("gdn_fwd", 3)

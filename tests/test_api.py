@@ -227,8 +227,8 @@ def compiled_kernels():
     from flashqla import bwd, fwd
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
-        (fwd.chunk_local_cumsum_kernel, HV), (fwd.chunk_fwd_intra_kernel, H, HV),
-        (fwd.fused_h_o_kernel, H, HV, 128, 128), (bwd.chunk_kkt_kernel, H, HV, 128),
+        (fwd.chunk_local_cumsum_kernel, HV), (fwd.gate_free_solve_kernel, H, HV, HV // H),
+        (fwd.fused_reform_kernel, H, HV, 128, 128), (bwd.chunk_kkt_kernel, H, HV, 128),
         (bwd.kkt_solve_kernel, HV), *((b, H, HV) for b in (
             bwd.chunk_w_u_kernel, bwd.chunk_h_kernel, bwd.chunk_bwd_dv_local_kernel,
             bwd.chunk_bwd_dhu_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel)))]

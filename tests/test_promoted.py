@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s08) gives."""
 
 import pytest
 import torch
@@ -13,9 +13,10 @@ from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
-    (fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
     # the backward (kernels/gdn_bwd/s01_separate_kernels.py and the stages it runs)
     (bwd.chunk_kkt_kernel, ("chunk_kkt", 2), "chunk_kkt_kernel", (16, 32, 128)),
     (bwd.kkt_solve_kernel, ("kkt_solve", 1), "kkt_solve_kernel", (32,)),
@@ -57,12 +58,14 @@ def test_a_changed_kernel_is_caught():
 
 
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
-    (fwd, "H_O_THREADS", 256, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
-    (fwd, "REGS_CHAIN", 200, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "BV", 32, bwd.chunk_bwd_dhu_kernel, ("chunk_bwd_dhu", 1), "chunk_bwd_dhu_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.H_O_THREADS", "fwd.REGS_CHAIN", "fwd.BLOCK", "bwd.BV", "bwd.TWO_WG_THREADS"])
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.GROWTH_LIMIT", "fwd.BLOCK", "bwd.BV",
+        "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
     """flashqla.fwd and flashqla.bwd hold their stages' constants (some renamed): a copy built with
@@ -99,3 +102,20 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
                        128 // fwd.BLOCK_V, "cuda", force=cp) is not None
     check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), False),        # the fused kernel on sequences
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # ... on segments
+    (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
+], ids=["varlen-off", "varlen-L4", "batch-L3"])
+def test_forward_is_the_stage_forward(problem, cp):
+    """flashqla.fwd.forward runs gdn_fwd.s08's kernels in s08's order on the same inputs: the same
+    bits (the kernels are deterministic, tests/test_autocp.py)."""
+    x = problem.inputs("cuda", seed=4)
+    s08 = load("gdn_fwd", 8)
+    want = s08.forward(**x, cp=cp)
+    got = fwd.forward(**x, cp=cp)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
