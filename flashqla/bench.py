@@ -34,6 +34,7 @@ import concurrent.futures
 import csv
 import datetime
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -428,20 +429,26 @@ def plot(rows: list[dict], path: Path, mode: Mode = FORWARD) -> None:
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(r["problem"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(labels)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(labels)), 5))
     for impl in dict.fromkeys(r["impl"] for r in rows):
         pts = [(labels.index(r["problem"]), float(r["ms"])) for r in rows
                if r["impl"] == impl and r["ms"]]
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, lw=1, label=impl)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel(f"{mode.title} latency (ms, log)")
-    ax.set_title(f"gdn {mode.title} on {rows[0]['gpu']} ({rows[0]['date']}, commit {rows[0]['commit']})",
+    ax.set_xticks(range(len(labels)), [short_label(x) for x in labels], rotation=90, fontsize=6)
+    ax.set_ylabel(f"{mode.title}, ms (log)")
+    runs = {k: ", ".join(dict.fromkeys(r[k] for r in rows)) for k in ("gpu", "date", "commit")}
+    ax.set_title(f"gdn {mode.title} on {runs['gpu']} ({runs['date']}, commit {runs['commit']})",
                  fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def short_label(label: str) -> str:
+    """'(16, 32) 4096+4096+...+4096' -> '(16, 32) 8x4096' (display only; the CSV keeps the label)."""
+    return re.sub(r"\b(\d+)(\+\1)+\b", lambda m: f"{m.group(0).count('+') + 1}x{m.group(1)}", label)
 
 
 def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:

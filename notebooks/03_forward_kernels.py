@@ -566,9 +566,7 @@ else:
           "on the GPU machine to write it. The plots below are skipped.")
 
 # %%
-def short_label(label):
-    """'(2, 8) 4096+4096+...+4096' -> '(2, 8) 8x4096 varlen', for the axis (display only)."""
-    return re.sub(r"\b(\d+)(\+\1)+\b", lambda m: f"{m.group(0).count('+') + 1}x{m.group(1)} varlen", label)
+short_label = bench.short_label
 
 
 if timed:

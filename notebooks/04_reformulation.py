@@ -1294,9 +1294,7 @@ def autocp_splits(label):
     return abs(ms_of[label, S06_ROW] / ms_of[label, COLS["s05"]] - 1) > 0.05
 
 
-def short(label):
-    """'(16, 32) 4096+4096+...+4096' -> '(16, 32) 8x4096' (display only)."""
-    return re.sub(r"\b(\d+)(\+\1)+\b", lambda m: f"{m.group(0).count('+') + 1}x{m.group(1)}", label)
+short = bench.short_label
 
 
 print(f"\n{'problem':22s}" + "".join(f"{c:>9s}" for c in COLS) + f"{'s03/s04':>9s}{'s03/s05':>9s}{'API/FLA':>9s}")

@@ -718,7 +718,7 @@ print(f"{TRAIN_CSV.relative_to(ROOT)}: " + "; ".join(sorted({f"{r['gpu']} commit
                                                               for r in train_rows})))
 print(f"{'problem':22s}" + "".join(f"{c:>9s}" for c in TRAIN_COLS) + f"{'s02/FLA':>9s}{'s02/FQ':>8s}")
 for p, t in train.items():
-    label = re.sub(r"\b(\d+)(\+\1)+\b", lambda m: f"{m.group(0).count('+') + 1}x{m.group(1)}", p)
+    label = bench.short_label(p)
     print(f"{label:22s}" + "".join(f"{t[c]:9.3f}" for c in TRAIN_COLS)
           + f"{t['FLA'] / t['s02']:8.2f}x{t['FlashQLA'] / t['s02']:7.2f}x")
 vs_fla = [t["FLA"] / t["s02"] for t in train.values()]
