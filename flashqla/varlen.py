@@ -33,8 +33,7 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
                device: torch.device) -> torch.Tensor:
     """int32 [N + 1]: where each sequence starts in the packed tokens, then the total."""
     if cu_seqlens is None:
-        return torch.arange(0, (batch + 1) * seqlen, max(seqlen, 1), dtype=torch.int32,
-                            device=device)[: batch + 1]
+        return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 

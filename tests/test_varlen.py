@@ -32,6 +32,13 @@ def test_batch_table_is_exact():
     assert seq_bounds(None, 3, 100, torch.device("cpu")).tolist() == [0, 100, 200, 300]
 
 
+def test_a_batch_of_empty_sequences_has_its_bounds():
+    # B sequences of T = 0 tokens: B + 1 bounds, all 0 (the kernels' drivers size h0 and ht by them)
+    assert seq_bounds(None, 2, 0, torch.device("cpu")).tolist() == [0, 0, 0]
+    table, first = chunk_table(None, 2, 0, 64, torch.device("cpu"))
+    assert table.shape[0] == 0 and first.tolist() == [0, 0, 0]
+
+
 def test_cache_follows_the_tensor_and_its_edits():
     cu = torch.tensor([0, 10, 100], dtype=torch.int32)
     first = chunk_table(cu, 1, 100, 64, torch.device("cpu"))
