@@ -121,6 +121,18 @@ def time_row(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
         return _graph_or_events(fn, sets, repeat)
 
 
+def _stop_if_device_lost(name: str, label: str) -> None:
+    """After a row's error: a device fault (an illegal memory access, say) is sticky, so every later
+    row and problem would fail too. Stop the run with that said; the CSV holds the problems before."""
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 -- any error here means the CUDA context is lost
+        raise RuntimeError(
+            f"bench: the CUDA context is lost after `{name}` on {label} ({type(exc).__name__}: "
+            f"{str(exc)[:120]}); the CSV keeps the problems timed before. Rerun the rest with "
+            "--heads (a new process), and CUDA_LAUNCH_BLOCKING=1 to name the faulting kernel") from exc
+
+
 def roofs() -> tuple[float, float]:
     """(bf16 matmul TFLOP/s, copy GB/s) measured on this card now, median of 20."""
     def med(fn):
@@ -336,6 +348,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
                 rows.append(dict(problem=p.label, impl=name, ms="",
                                  method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}"))
                 print(f"ERROR {name} on {p.label}: {exc}", flush=True)
+                _stop_if_device_lost(name, p.label)
                 continue
             base.setdefault(name, ms)
             rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=method,

@@ -49,3 +49,17 @@ def test_ncu_roofline_redraws_from_the_committed_csvs(tmp_path):
     subprocess.run([sys.executable, str(bench.RESULTS.parent / "ncu_lab.py"), "report", *csvs, str(out)],
                    check=True, capture_output=True)
     assert out.stat().st_size > 10_000
+
+
+def test_a_lost_device_stops_the_run_and_says_so(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the row failed, the device is fine
+    assert bench._stop_if_device_lost("FLA", "(2, 8) 1x2048") is None
+
+    def lost():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    with pytest.raises(RuntimeError, match=r"context is lost after `FLA` on \(2, 8\) 1x2048.*--heads"):
+        bench._stop_if_device_lost("FLA", "(2, 8) 1x2048")
