@@ -1253,8 +1253,8 @@ cuda_excerpt(s07.kernel_source(), FEATURES)
 # ## 5. Measured effect
 #
 # `python -m flashqla bench` times every `gdn_fwd` stage, FLA, FlashQLA and the library's entry point
-# `flashqla.chunk_gated_delta_rule` in one run on the GPU machine (chapter 3 explains the method) and
-# writes `profiles/results/gdn_fwd.csv`. The committed file holds six head layouts, timed on one
+# `flashqla.chunk_gated_delta_rule`, all rows of a problem in one process on the GPU machine
+# (chapter 3 explains the method), and writes `profiles/results/gdn_fwd.csv`. The committed file holds six head layouts, timed on one
 # 4 x H200 host, one process per GPU. This chapter reads two of them, (16, 64) and (16, 32), each with
 # one sequence of 2048, 8192 or 32768 tokens and two varlen batches. The rows of this chapter's
 # stages next to s03, the entry point (the promoted kernels at the run's commit: the fused
@@ -1537,7 +1537,7 @@ assert max(stall_reasons(ncu[5]["stalls"]), key=stall_reasons(ncu[5]["stalls"]).
 #   double-buffered tile stages and hand-off slots, six mbarriers and `setmaxnreg` budgets, all read
 #   here from the stage and checked against its docstring. In the napkin timeline the chain sets the
 #   pace and the producer idles; measured, a chunk takes 2.3-2.4 us against the chain's 1.4 alone.
-# - Measured (one H200 benchmark run, CUDA-graph replay): s04 and s05 both beat s03 on all ten
+# - Measured (the benchmark on H200s, CUDA-graph replay): s04 and s05 both beat s03 on all ten
 #   problems; s04 leads on (16, 64), where it saves the most bytes, s05 on (16, 32)'s long
 #   sequences; s05's gain over s03 is its fused kernel's (1.52-1.66x s03's, its docstring), to within
 #   a few percent. Nsight Compute: 1.63x on the same work, tensor pipe 18 -> 27 % busy, DRAM
