@@ -6,9 +6,9 @@ sm_90a on the CPU machine, nvdisasm; "loop": the instructions of one chunk of th
 s10's loop body holds two chunks and is halved):
 
 1. The W pass reads precomputed row factors. s07 built W = V - diag(exp g) U under the mask
-   ``i < n`` with the exp2 inside the select, and Vd = diag(exp(g_C - g)) V~ and the decay
-   exp(g_C) with exp2 per element: 14 divergent-branch regions (BSSY), each with its own MUFU.EX2
-   and scalar LDS, 19 MUFU.EX2 in all. The mask is not needed: the scores warpgroup writes WY as
+   ``i < n`` with the exp2 inside the select: 14 divergent-branch regions (BSSY) in the loop, each
+   with its own MUFU.EX2 and scalar LDS; with Vd = diag(exp(g_C - g)) V~ and the decay exp(g_C),
+   also exp2 in the chain, 19 MUFU.EX2 a chunk. The mask is not needed: the scores warpgroup writes WY as
    zero outside j <= i < n, so WY's columns j >= n are zero and V~ = WY W never reads W's rows
    i >= n, which are finite (the tile's rows past the sequence end are the next sequence's tokens
    or TMA's zeros, U = K S of the same, exp(g) <= 1 with g padded by the last real row) and meet
@@ -111,7 +111,14 @@ register work run beside a product that does not touch those registers.
 
 Precision: s07's (the same products in the same precisions, the same factors). Checked on the CPU
 in float64 against ``reference.chunk_gated_delta_rule_ref``, the kernel's operations in this
-order: EMULATION_RESULT
+order (full 64-row tiles with the next sequence's tokens past the end, padded gates, exp2 of
+log2(e)-scaled gates, W unmasked, the decay rounded to fp32 before the update adds to it,
+gate_free_solve.s01's Ab and its fallback): varlen (1, 200, 777, 64, 130, 65), 8 heads with g = 0,
+strong-decay and ordinary ones, one chunk of keys of norm 3 and three chunks flagged ``gated`` by
+force (11 of 192 flagged): o and final state within 1.1e-14 / 1.0e-14 of the reference
+(relative L2), as s07; with bf16 and fp32 where the kernel rounds, 5.4e-3 / 5.7e-3 (the test's
+bound 2.2e-2 / 2.4e-2), o bit for bit s07's, the final state within 2.4e-7 absolute (the s07 emulation rounds the decayed
+S one step later; both kernels round it as here); the same on flashqla.testing's adversarial inputs.
 
 Measured effect: to be measured on the GPU.
 
