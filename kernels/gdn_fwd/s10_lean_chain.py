@@ -8,12 +8,12 @@ s10's loop body holds two chunks and is halved):
 1. The W pass reads precomputed row factors. s07 built W = V - diag(exp g) U under the mask
    ``i < n`` with the exp2 inside the select: 14 divergent-branch regions (BSSY) in the loop, each
    with its own MUFU.EX2 and scalar LDS; with Vd = diag(exp(g_C - g)) V~ and the decay exp(g_C),
-   also exp2 in the chain, 19 MUFU.EX2 a chunk. The mask is not needed: the scores warpgroup writes WY as
-   zero outside j <= i < n, so WY's columns j >= n are zero and V~ = WY W never reads W's rows
-   i >= n, which are finite (the tile's rows past the sequence end are the next sequence's tokens
-   or TMA's zeros, U = K S of the same, exp(g) <= 1 with g padded by the last real row) and meet
-   exact zeros; V~'s rows >= n are then exactly zero, and so are Vd's (K^T Vd ignores K's rows past
-   the end) and the output's P V~ terms. The producer, after writing log2(e) g, writes per stage
+   also exp2 in the chain, 19 MUFU.EX2 a chunk. The mask is not needed: the scores warpgroup
+   writes WY as zero outside j <= i < n, so WY's columns j >= n are zero and V~ = WY W never reads
+   W's rows i >= n, which are finite (the tile's rows past the sequence end are the next
+   sequence's tokens or TMA's zeros, U = K S of the same, exp(g) <= 1 with g padded by the last
+   real row) and meet exact zeros; V~'s rows >= n are then exactly zero, and so are Vd's (K^T Vd
+   ignores K's rows past the end) and the output's P V~ terms. The producer, after writing log2(e) g, writes per stage
    the 64 factors exp(g_i) (eg_s) and exp(g_C - g_i) (egd_s), from the same g_s values as s07's
    exp2 (bit-identical factors); the chain reads them, and exp(g_C) is eg_s's last entry. No zero
    is needed past the end (egd is 1 there, multiplying V~'s zero rows). Chain loop: 0 BSSY, 0
@@ -50,9 +50,10 @@ Why: the chain's per-chunk latency sets the time of the long problems (s07 on (1
 128 CTAs each walk 512 chunks, 2.05 ms against FlashQLA's 1.52), and these are the differences
 between s07's chain and FlashQLA's state path that the SASS shows (FlashQLA 0.1.3's fused forward
 at BV 64 built the same way: state warpgroup ~178 instructions a chunk and its V warpgroup ~384,
-no divergent branch on the state path, its snapshot 8 STSM). What to measure: s10 beside s07 in one ``python -m flashqla bench --heads 16,64`` run (and
-(2, 8) 1 x 32768); with Nsight Compute, the chain's ``smsp__inst_executed.sum`` and
-``smsp__sass_branch_targets_threads_divergent.sum`` per chunk, and the stall samples at its
+no divergent branch on the state path, its snapshot 8 STSM). What to measure: s10 beside s07 in
+one ``python -m flashqla bench --heads 16,64`` run (and (2, 8) 1 x 32768); with Nsight Compute,
+the chain's ``smsp__inst_executed.sum`` and ``smsp__sass_branch_targets_threads_divergent.sum``
+per chunk, and the stall samples at its
 WARPGROUP.DEPBAR and mbarrier try-wait PCs.
 
 Per chunk of C = 64 tokens, with S the CTA's K x 64 slice of the state (fp32, in the chain's
@@ -117,8 +118,9 @@ gate_free_solve.s01's Ab and its fallback): varlen (1, 200, 777, 64, 130, 65), 8
 strong-decay and ordinary ones, one chunk of keys of norm 3 and three chunks flagged ``gated`` by
 force (11 of 192 flagged): o and final state within 1.1e-14 / 1.0e-14 of the reference
 (relative L2), as s07; with bf16 and fp32 where the kernel rounds, 5.4e-3 / 5.7e-3 (the test's
-bound 2.2e-2 / 2.4e-2), o bit for bit s07's, the final state within 2.4e-7 absolute (the s07 emulation rounds the decayed
-S one step later; both kernels round it as here); the same on flashqla.testing's adversarial inputs.
+bound 2.2e-2 / 2.4e-2), o bit for bit s07's, the final state within 2.4e-7 absolute (the s07
+emulation rounds the decayed S one step later; both kernels round it as here); the same on
+flashqla.testing's adversarial inputs.
 
 Measured effect: to be measured on the GPU.
 
