@@ -8,16 +8,16 @@ s10's loop body holds two chunks and is halved):
 1. The W pass reads precomputed row factors. s07 built W = V - diag(exp g) U under the mask
    ``i < n`` with the exp2 inside the select: 14 divergent-branch regions (BSSY) in the loop, each
    with its own MUFU.EX2 and scalar LDS; with Vd = diag(exp(g_C - g)) V~ and the decay exp(g_C),
-   also exp2 in the chain, 19 MUFU.EX2 a chunk. The mask is not needed: the scores warpgroup
-   writes WY as zero outside j <= i < n, so WY's columns j >= n are zero and V~ = WY W never reads
-   W's rows i >= n, which are finite (the tile's rows past the sequence end are the next
-   sequence's tokens or TMA's zeros, U = K S of the same, exp(g) <= 1 with g padded by the last
-   real row) and meet exact zeros; V~'s rows >= n are then exactly zero, and so are Vd's (K^T Vd
-   ignores K's rows past the end) and the output's P V~ terms. The producer, after writing log2(e) g, writes per stage
-   the 64 factors exp(g_i) (eg_s) and exp(g_C - g_i) (egd_s), from the same g_s values as s07's
-   exp2 (bit-identical factors); the chain reads them, and exp(g_C) is eg_s's last entry. No zero
-   is needed past the end (egd is 1 there, multiplying V~'s zero rows). Chain loop: 0 BSSY, 0
-   MUFU.EX2.
+   also exp2 in the chain, 19 MUFU.EX2 a chunk. The mask is not needed: the scores warpgroup writes
+   WY as zero outside j <= i < n, so WY's columns j >= n are zero and V~ = WY W never reads W's
+   rows i >= n, which are finite (the tile's rows past the sequence end are the next sequence's
+   tokens or TMA's zeros, U = K S of the same, exp(g) <= 1 with g padded by the last real row) and
+   meet exact zeros; V~'s rows >= n are then exactly zero, and so are Vd's (K^T Vd ignores K's rows
+   past the end) and the output's P V~ terms. The producer, after writing log2(e) g, writes per
+   stage the 64 factors exp(g_i) (eg_s) and exp(g_C - g_i) (egd_s), from the same g_s values as
+   s07's exp2 (bit-identical factors); the chain reads them, and exp(g_C) is eg_s's last entry. No
+   zero is needed past the end (egd is 1 there, multiplying V~'s zero rows). Chain loop: 0 BSSY,
+   0 MUFU.EX2.
 2. The hand-off stores of S_c and V~_c use stmatrix. TileLang 0.1.15 lowers a fragment -> shared
    copy to stmatrix only when the destination is a whole buffer (src/cuda/op/copy.cc, LowerLDSM:
    every destination range starts at 0 and spans the buffer), so s07's h_s[b] and vn_s[b] were
