@@ -181,10 +181,7 @@ def candidates() -> list[tuple[str, object, object]]:
     rows = []
     for stage in discover():
         if stage.op == "gdn_fwd" and not stage.missing():
-            # s00 is FLA's own forward, a peer: unchecked here like FlashQLA (its stage test checks
-            # it). Checked first on the small varlen problem, FLA's forward then hit an illegal
-            # memory access on (2, 8) and (4, 16) 1 x 2048 (three runs, H200); alone on the same
-            # inputs it did not
+            # s00 is FLA's own forward, a peer: unchecked here like FlashQLA (its stage test checks it)
             name = FLA_ROW if stage.number == 0 else stage.name
             rows.append((name, lambda x, s=stage: s.module.run(**x), stage.number != 0))
     try:
@@ -393,15 +390,21 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
-    """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    # one value per provenance field; shards run as separate processes (one per GPU, or later
-    # commits for some head configurations) list each value, and each measured its own roofs
+def provenance(rows: list[dict]) -> dict:
+    """Each provenance field of the rows, every distinct value listed (shards run as separate
+    processes: one per GPU, or later commits for some head configurations), the roofs each process
+    measured as a range."""
     meta = {k: ", ".join(dict.fromkeys(r[k] for r in rows)) for k in rows[0]}
     for k in ("gemm_roof_tflops", "copy_roof_gbs"):
         vals = sorted({int(r[k]) for r in rows})
         meta[k] = f"{vals[0]}" if len(vals) == 1 else f"{vals[0]}-{vals[-1]}"
+    return meta
+
+
+def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
+    """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    meta = provenance(rows)
     head = ("| problem | " + " | ".join(impls)
             + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n" + "|" + "---|" * (len(impls) + 5))
     lines = [f"{mode.title.capitalize()}, ms (median, {meta['gpu']}, driver {meta['driver']}, "
@@ -450,7 +453,7 @@ def plot(rows: list[dict], path: Path, mode: Mode = FORWARD) -> None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), [short_label(x) for x in labels], rotation=90, fontsize=6)
     ax.set_ylabel(f"{mode.title}, ms (log)")
-    runs = {k: ", ".join(dict.fromkeys(r[k] for r in rows)) for k in ("gpu", "date", "commit")}
+    runs = provenance(rows)
     ax.set_title(f"gdn {mode.title} on {runs['gpu']} ({runs['date']}, commit {runs['commit']})",
                  fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
