@@ -17,8 +17,9 @@ Measured, as gdn_bwd.s02's docstring writes it (one H200, ``python -m flashqla b
 gdn_train``, 18 problems of six head configurations): a training step with these kernels after
 the promoted forward is 0.73-1.28x FLA's autograd step (geomean 1.03x) and 1.05-3.78x one with
 s01's kernels (s01's rows timed with events, launch gaps included); behind FLA where few
-(sequence, head) pairs leave each walk a few dozen CTAs. The committed API rows of that run
-(``profiles/results/gdn_train.csv``) were timed when this module held s01's kernels.
+(sequence, head) pairs leave each walk a few dozen CTAs. In ``profiles/results/gdn_train.csv`` the
+API rows of (16, 48) run these kernels (commit 1c9555e, 1-4% faster than the s02 row); the other
+head layouts' were timed when this module held s01's kernels.
 
 ``backward`` launches them, each in an NVTX range ``bwd.<kernel>``, with no host synchronization,
 so that a training step can be captured in a CUDA graph: h and dh get the chunk table's row count

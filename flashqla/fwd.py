@@ -25,8 +25,10 @@ each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/
                                                                   states. 2.4-2.9x s03 on (2, 8)
                                                                   from 32768 tokens under a CUDA
                                                                   graph (measured with s03's kernel
-                                                                  as the chain; with s07's, s08: to
-                                                                  be measured on the GPU)
+                                                                  as the chain); with s07's (s08)
+                                                                  1.04x on (16, 16) 1 x 32768, 0.81x
+                                                                  on (16, 16) 1 x 8192: the plan
+                                                                  splits too eagerly for s07's chain
     gdn_fwd.s07 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
@@ -34,7 +36,8 @@ each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/
                                                        output and producer warpgroups, mbarrier
                                                        hand-offs); s07's forward (with this
                                                        preparation) is 1.03-1.40x s05's on 30
-                                                       problems
+                                                       problems; this path is 0.57-1.91x FLA,
+                                                       0.37-1.17x FlashQLA (geomean 1.18x, 0.63x)
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.

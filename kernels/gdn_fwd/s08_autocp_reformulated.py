@@ -28,10 +28,18 @@ find its rows as they find q, k, v's.
 Not done here: a warm-up kernel on Ab (s07's chain math without the output) would drop the
 chunk_fwd_intra launch from the split path; it is a new kernel, so the simplest correct design
 comes first. chunk_fwd_intra.s01 alone took 0.169 ms on (2, 8) 1 x 32768 (its docstring, H200),
-against 0.944 ms for s06's whole forward there (s03's kernel as the chain, graph replay): what it
-costs CP here is to be measured.
+against 0.944 ms for s06's whole forward there (s03's kernel as the chain, graph replay); with
+s07's faster chain its share of the split path grows (measured effect below).
 
-Measured effect: to be measured on the GPU.
+Measured effect (``python -m flashqla bench``, H200, CUDA-graph replay, 30 problems of six head
+configurations, profiles/results/gdn_fwd.csv): 0.81-1.04x s07, geomean 0.99x. Where the plan keeps
+the sequences whole (27 of the 30) it is s07 within 1%. It splits three (16, 16) problems: 1.04x on
+1 x 32768 (1.617 ms against 1.683), but 0.81x on 1 x 8192 (0.681 against 0.549) and on 28672 + 4096
+(1.827 against 1.481). The split path adds chunk_fwd_intra and s06's warm-up kernel, which runs
+s03's chain math, slower per chunk than s07's kernel: the plan's cost model (``flashqla.autocp``)
+was set with s05's chain and splits too eagerly for s07's. The library runs this path; it is
+0.57-1.91x FLA and 0.37-1.17x FlashQLA there (geomean 1.18x and 0.63x), 1.04-1.55x this stage
+(the stage builds its varlen tables in each of its sub-calls).
 
 Taught in: notebooks/05_autocp.py (AutoCP, with s06) and notebooks/04_reformulation.py (s07)
 """

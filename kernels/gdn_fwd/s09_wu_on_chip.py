@@ -123,7 +123,15 @@ seeds of tests/test_reformulation.py, near-duplicate keys 7.1e-3 / 5.5e-3 agains
 these three kinds (other seeds): 6.4e-3, 2.3e-2 and 2.5e-3 for o, against 6.6e-3, 2.0e-2 and
 2.5e-3.
 
-Measured effect: to be measured on the GPU.
+Measured effect (``python -m flashqla bench``, H200, CUDA-graph replay, 30 problems of six head
+configurations, profiles/results/gdn_fwd.csv): slower, 0.57-0.79x s07 (geomean 0.65x); (16, 64)
+1 x 32768 3.289 ms against s07's 2.062. The chain got shorter, but the scores warpgroup now runs
+four products and builds WY and WY D in registers each chunk (~1700 SASS instructions, 64
+divergent-branch regions in its loop, against the chain's ~800), and the chain waits for its w_c
+and u_c on ``bar_wu_ready``: the per-chunk time is now the scores role's. Not promoted. The first
+build allocated 112 registers to the output warpgroup with setmaxnreg.inc, below the 128 a thread
+starts with: an illegal instruction on the GPU; it gives them back with .dec now
+(tests/test_stages.py checks every stage's budgets).
 
 Taught in: notebooks/04_reformulation.py
 """
