@@ -30,6 +30,10 @@ Segments are numbered two ways. ``bounds`` lists them packed in token order (seg
 chain + output kernel reads as cu_seqlens). The warm-up and the chaining work on slots j * N + n,
 "segment j of sequence n", J slots per sequence (J a host-known bound), so that chaining step j is
 one batched matmul over contiguous memory; slots past a sequence's last segment do nothing.
+Segments start on chunk boundaries of their sequence (all but a sequence's last have L x 64
+tokens), so a segment's chunks are consecutive rows of ``flashqla.varlen.chunk_table`` for the
+whole sequences: ``first_chunk`` gives the first, for kernels that read per-chunk data computed
+before the split (gdn_fwd.s07's ``gated`` flags).
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class Plan:
     last_segment: torch.Tensor  # int64 [N]: row of each sequence's last segment (an empty sequence has one)
     slot_start: torch.Tensor    # int32 [J * N]: first token of segment j of sequence n (its end if none)
     slot_warm: torch.Tensor     # bool [J * N]: segment j >= 1 exists, so segment j - 1 has L full chunks
+    first_chunk: torch.Tensor   # int32 [S + 1]: chunk_table row of each segment row's first chunk (the
+                                # sequence's first row + j L); the real chunk count past the real rows
 
 
 _last_plan: dict = {}
@@ -151,8 +157,13 @@ def _build_plan(cu_seqlens, batch, seqlen, L, device) -> Plan:
     jj = torch.arange(J, device=device)[:, None]                    # slots [J, N]
     slot_start = torch.minimum(seqs[None, :-1] + span * jj, seqs[None, 1:])
     slot_warm = (jj >= 1) & (jj < count[None])
+    # chunk rows as flashqla.varlen.chunk_table numbers them: sequence by sequence, ceil(len / 64) each
+    seq_rows = ((seqs[1:] - seqs[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE).cumsum(0)
+    seq_row0 = torch.cat([seq_rows.new_zeros(1), seq_rows])                  # [N + 1]
+    first_chunk = torch.cat([torch.where(real, seq_row0[seq_c] + L * j, seq_row0[N]), seq_row0[N:]])
     return Plan(L, N, J, bounds.to(torch.int32), torch.where(real, j * N + seq_c, 0),
-                first[1:] - 1, slot_start.reshape(-1).to(torch.int32), slot_warm.reshape(-1))
+                first[1:] - 1, slot_start.reshape(-1).to(torch.int32), slot_warm.reshape(-1),
+                first_chunk.to(torch.int32))
 
 
 def bound_violations(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -200,6 +211,21 @@ def warmup(p: Plan, g_cum: torch.Tensor, violations: torch.Tensor, threshold: fl
     chunks = torch.where(warm, torch.where(exact, L, short + 1), 0)
     return ((s[:, None] - CHUNK_SIZE * chunks).to(torch.int32), exact.to(torch.int32),
             chunks.to(torch.int32))
+
+
+def segment_initial_states(p: Plan, h0: torch.Tensor, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Phase 2, the chaining: h0 [N, HV, K, V] and the warm-up's Z [J N, HV, K, V], M [J N, HV, K, K]
+    (fp32, slot j * N + n) -> the initial state of every segment row, [S, HV, K, V]:
+    h_0 = h0 of the sequence, h_j = Z_j + M_j h_{j-1}, one batched matmul per step j over all
+    (sequence, head) pairs (warm-up heads have M = 0 and get Z)."""
+    N, J = p.num_seqs, p.max_segments
+    HV, K, V = h0.shape[1:]
+    hs = torch.empty(J, N * HV, K, V, dtype=h0.dtype, device=h0.device)
+    hs[0].copy_(h0.reshape(N * HV, K, V))
+    zs, ms = z.view(J, N * HV, K, V), m.view(J, N * HV, K, K)
+    for j in range(1, J):
+        torch.baddbmm(zs[j], ms[j], hs[j - 1], out=hs[j])
+    return hs.view(J * N, HV, K, V).index_select(0, p.slot_of_segment)
 
 
 def num_sms(device: torch.device) -> int:

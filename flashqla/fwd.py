@@ -3,15 +3,21 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The fastest correct pieces
-(``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``, and the measurements in each
-stage's docstring; H200):
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s08's:
+s07's reformulated, warp-specialized forward with AutoCP (s06's). Its kernels (measurements from
+each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
 
-    chunk_local_cumsum.s01   g                      -> g_cum      one CTA per chunk, all heads
-    chunk_fwd_intra.s01      k, v, g_cum, beta      -> w, u       K K^T, (I + A)^-1 and the WY
-                                                                  products in one kernel: A and Ai
-                                                                  stay on chip (s03 ran them as
-                                                                  three kernels)
+    chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
+    gate_free_solve.s01      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+                                                                  diag(beta) with no gate, K K^T once
+                                                                  per key head; a (chunk, value
+                                                                  head) where beta ||k||^2 > 2
+                                                                  solves the gated matrix instead
+                                                                  and is flagged ``gated``
+    chunk_fwd_intra.s01      k, v, g_cum, beta       -> w, u      AutoCP's split path only (the
+                                                                  warm-up kernel runs s03's chain
+                                                                  math): K K^T, (I + A)^-1 and the
+                                                                  WY products in one kernel
     gdn_fwd.s06 (warm-up)    k, w, u, g_cum, windows -> Z, M      AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel; this
@@ -19,20 +25,28 @@ stage's docstring; H200):
                                                                   states. 2.4-2.9x s03 on (2, 8)
                                                                   from 32768 tokens under a CUDA
                                                                   graph (measured with s03's kernel
-                                                                  as the chain)
-    gdn_fwd.s05 (fused)      q, k, w, u, g_cum, h0  -> o, final state: the state chain and the
-                                                       output in one warp-specialized kernel
-                                                       (chain, scores, output and producer
-                                                       warpgroups, mbarrier hand-offs):
-                                                       1.52-1.66x s03's fused kernel
+                                                                  as the chain); with s07's (s08)
+                                                                  1.04x on (16, 16) 1 x 32768, 0.81x
+                                                                  on (16, 16) 1 x 8192: the plan
+                                                                  splits too eagerly for s07's chain
+    gdn_fwd.s07 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
+                                                       (U = K S, W = V - diag(exp g) U,
+                                                       V~ = (Gamma * Ab) W) and the output in one
+                                                       warp-specialized kernel (chain, scores,
+                                                       output and producer warpgroups, mbarrier
+                                                       hand-offs); s07's forward (with this
+                                                       preparation) is 1.03-1.40x s05's on 30
+                                                       problems; this path is 0.57-1.91x FLA,
+                                                       0.37-1.17x FlashQLA (geomean 1.18x, 0.63x)
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.
-Without a split the fused kernel walks whole sequences. With one, the warm-up kernel runs the
-chain over each segment's warm-up window (Z; and M, the previous segment's transition, for heads
-whose window is the whole previous segment), a batched matmul per segment chains
-h_j = Z_j + M_j h_{j-1}, and the fused kernel walks all segments at once, each from its h_j. Each
-kernel launch is in an NVTX range ``fwd.<kernel>``.
+Without a split the fused kernel walks whole sequences. With one, chunk_fwd_intra gives w, u, the
+warm-up kernel runs the chain over each segment's warm-up window (Z; and M, the previous
+segment's transition, for heads whose window is the whole previous segment), a batched matmul per
+segment chains h_j = Z_j + M_j h_{j-1}, and the fused kernel walks all segments at once, each from
+its h_j, reading ``gated`` at its first chunk's row of the whole sequences' chunk table
+(``Plan.first_chunk``). Each kernel launch is in an NVTX range ``fwd.<kernel>``.
 """
 
 import functools
@@ -46,27 +60,29 @@ from flashqla.varlen import chunk_table, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
-THREADS = 128         # one warpgroup (chunk_fwd_intra; the warm-up kernel, TileLang adds a producer)
+THREADS = 128         # one warpgroup (gate_free_solve, chunk_fwd_intra; the warm-up kernel, TileLang
+                      # adds a producer)
+GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
 BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel
 BLOCK = 64            # state columns per CTA of the warm-up kernel
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
 WARPGROUP = 128
-CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: owns S; V~ = U - W S, S <- exp(g_C) S + K^T ..
-SCORES_END = 2 * WARPGROUP  # [128, 256) scores: P = scale (Q K^T * Gamma), needs no state
+CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: owns S; U = K S, W, V~ = WY W, the state update
+SCORES_END = 2 * WARPGROUP  # [128, 256) scores: WY = Gamma * Ab and P = scale (Q K^T * Gamma)
 OUTPUT_END = 3 * WARPGROUP  # [256, 384) output: O = scale diag(exp g) Q S_c + P V~_c
-H_O_THREADS = 4 * WARPGROUP  # [384, 512) producer: TMA loads of q, k, w, u; the gates (s05's THREADS)
+FUSED_THREADS = 4 * WARPGROUP  # [384, 512) producer: TMA loads of q, k, v, Ab; the gates (s07's THREADS)
 # ---- its register budgets (setmaxnreg, per thread), within the launch's pool of 4 x 128
-REGS_PRODUCER = 24    # addresses (about 12 used)
-REGS_CHAIN = 216      # S (64 fp32 a thread), V~ and its decayed copy (32 + 32): about 143 used
-REGS_SCORES = 136     # P (32): about 94 used
-REGS_OUTPUT = 136     # O (32): about 56 used
+REGS_PRODUCER = 24    # addresses
+REGS_CHAIN = 216      # S (64 fp32 a thread), U / W / Vd (32), V~ (32)
+REGS_SCORES = 136     # P (32), Gamma (32)
+REGS_OUTPUT = 136     # O (32)
 assert REGS_PRODUCER + REGS_CHAIN + REGS_SCORES + REGS_OUTPUT <= 4 * 128
 # ---- its buffering
 NUM_STAGES = 2        # tile stages: the producer fills chunk c + 2 once chunk c is consumed
-NUM_HANDOFF = 2       # slots for S_c, V~_c and P_c: chunk c + 1's are written while the output
-                      # warpgroup still reads chunk c's
+NUM_HANDOFF = 2       # slots for S_c, WY_c, V~_c and P_c: chunk c + 1's are written while
+                      # chunk c's are still read
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
@@ -104,6 +120,108 @@ def chunk_local_cumsum_kernel(HV: int):
                         g_cum[bos + i, h] = acc
 
     return chunk_local_cumsum_fwd
+
+
+# ---- promoted from kernels/gate_free_solve/s01_shared_kkt.py
+def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
+    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
+    value heads of one key head (a divisor of HV / H); any token or chunk count."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, K, R = CHUNK_SIZE, HEAD_DIM, heads_per_cta
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gate_free_solve_fwd(
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        beta: T.Tensor((num_tokens, HV), "float32"),
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
+    ):
+        with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
+            t = T.get_thread_binding()
+            col = 16 * (t // 32) + t % 16                      # warp w solves columns 16w..16w+15
+            half = (t // 16) % 2                               # which half of each row sum
+            hv0 = i_r * R                                      # this CTA's first value head
+            i_h = hv0 // group
+            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
+            n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
+
+            k_s = T.alloc_shared((C, K), "bfloat16")
+            kkt_s = T.alloc_shared((C, C), "float32")
+            a_s = T.alloc_shared((C, C), "float32")
+            out_s = T.alloc_shared((C, C), "bfloat16")
+            beta_s = T.alloc_shared((R, C), "float32")
+            g_s = T.alloc_shared((R, C), "float32")
+            flag_s = T.alloc_shared((R,), "int32")
+            kkt_f = T.alloc_fragment((C, C), "float32")
+            x_col = T.alloc_local((C // 2,), "float32")        # this half's x_j of column col
+            acc = T.alloc_local((4,), "float32")               # four partial sums of a row
+            row = T.alloc_local((1,), "float32")
+
+            # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
+            for r in T.Parallel(R):
+                flag_s[r] = 0
+            # K <- k[bos : bos + n]; beta, log2(e) g_cum of the R value heads; zeros below row n
+            for i, d in T.Parallel(C, K):
+                k_s[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
+            for r, i in T.Parallel(R, C):
+                beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
+                g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
+            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), kept for every value head
+            T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
+            T.copy(kkt_f, kkt_s)
+            # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
+            for r, i in T.Parallel(R, C):
+                if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
+                    flag_s[r] = 1
+
+            for r in T.serial(R):
+                # A <- StrictLower(diag(beta) K K^T) on rows < n (gate-free), or for a flagged head
+                # StrictLower(diag(beta) K K^T * Gamma): exponents g_i - g_j <= 0 for j < i
+                if flag_s[r] == 0:
+                    for i, j in T.Parallel(C, C):
+                        a_s[i, j] = T.if_then_else((j < i) & (i < n), beta_s[r, i] * kkt_s[i, j], 0)
+                else:
+                    for i, j in T.Parallel(C, C):
+                        a_s[i, j] = T.if_then_else(
+                            (j < i) & (i < n), beta_s[r, i] * kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
+
+                # x <- (I + A)^-1 e_col by forward substitution: x_i = [i == col] - sum_{j<i} A_ij x_j.
+                # x_j = 0 for j < col, so warp w starts at row 16w. Half h keeps the x_j of the
+                # blocks of four j with (j / 4) mod 2 = h, x_col[s] = x_j for j = 8 (s / 4) + 4 h +
+                # s mod 4; it sums its half of row i over whole blocks (unknown x_j are still 0) in
+                # four chains, and one shuffle adds the other half
+                for s in T.unroll(C // 2):
+                    x_col[s] = 0.0
+                for warp in (0, 1, 2, 3):  # a Python loop: four copies, every index a constant
+                    if t // 32 == warp:
+                        for i in T.unroll(16 * warp, C):
+                            for q in T.unroll(4):
+                                acc[q] = 0.0
+                            for b in T.unroll(2 * warp, C // 8):
+                                if 8 * b < i:
+                                    for q in T.unroll(4):
+                                        acc[q] = acc[q] + a_s[i, 8 * b + 4 * half + q] * x_col[4 * b + q]
+                            row[0] = (acc[0] + acc[1]) + (acc[2] + acc[3])
+                            row[0] = T.if_then_else(i == col, 1.0, 0.0) - (row[0] + T.shfl_xor(row[0], 16))
+                            if (i // 4) % 2 == half:
+                                x_col[4 * (i // 8) + i % 4] = row[0]
+                # Ab[:, col] <- x beta_col (bf16), each half its own rows
+                for s in T.unroll(C // 2):
+                    out_s[8 * (s // 4) + 4 * half + s % 4, col] = x_col[s] * beta_s[r, col]
+                # ab[bos : bos + n, hv0 + r] <- Ab, whole 128-byte rows
+                for i, j in T.Parallel(C, C):
+                    if i < n:
+                        ab[bos + i, hv0 + r, j] = out_s[i, j]
+                if t == 0:
+                    gated[i_c, hv0 + r] = flag_s[r]
+
+    return gate_free_solve_fwd
 
 
 # ---- promoted from kernels/chunk_fwd_intra/s01_fused.py
@@ -294,8 +412,8 @@ def warmup_kernel(H: int, HV: int):
     return gdn_autocp_warmup
 
 
-# ---- promoted from kernels/gdn_fwd/s05_warp_specialized.py (THREADS renamed H_O_THREADS)
-def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
+# ---- promoted from kernels/gdn_fwd/s07_ws_reformulated.py (THREADS renamed FUSED_THREADS)
+def fused_reform_kernel(H: int, HV: int, K: int, V: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V; any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
@@ -305,51 +423,62 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
     num_bounds = T.dynamic("num_bounds")
+    num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
-    def gdn_fused_ws(
+    def gdn_fused_ws_reform(
         q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         k: T.Tensor((num_tokens, H, K), "bfloat16"),
-        w: T.Tensor((num_tokens, HV, K), "bfloat16"),
-        u: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve: rows per token
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
         h0: T.Tensor((num_seqs, HV, K, V), "float32"),
         bounds: T.Tensor((num_bounds,), "int32"),              # sequence starts, then the total
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # each sequence's first chunk row
         scale: T.float32,
         o: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ht: T.Tensor((num_seqs, HV, K, V), "float32"),
     ):
-        with T.Kernel(V // BV, HV, num_seqs, threads=H_O_THREADS) as (i_v, i_hv, i_n):
+        with T.Kernel(V // BV, HV, num_seqs, threads=FUSED_THREADS) as (i_v, i_hv, i_n):
             i_h = i_hv // group
             bos = bounds[i_n]
             eos = bounds[i_n + 1]
+            row0 = first_chunk[i_n]
             v0 = i_v * BV
-            num_chunks = T.ceildiv(eos - bos, C)
+            num_seq_chunks = T.ceildiv(eos - bos, C)
 
             # tile stages (producer -> consumers); g holds log2(e) g_cum
             q_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # scores, output
             k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, scores
-            w_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain
-            u_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # scores
             g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # all three
-            # hand-off slots: S_c (bf16) and V~_c from the chain, P_c from the scores warpgroup
+            # hand-off slots: S_c (bf16) and V~_c from the chain, WY_c and P_c from the scores
             h_s = T.alloc_shared((NUM_HANDOFF, K, BV), "bfloat16")
+            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
             vn_s = T.alloc_shared((NUM_HANDOFF, C, BV), "bfloat16")
             p_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
-            # chain only: diag(exp(g_C - g)) V~
+            # chain only: W, the B operand of WY W; diag(exp(g_C - g)) V~, that of K^T Vd
+            w_s = T.alloc_shared((C, BV), "bfloat16")
             vd_s = T.alloc_shared((C, BV), "bfloat16")
             # registers of the chain, scores and output warpgroups
             h_f = T.alloc_fragment((K, BV), "float32")
+            x_f = T.alloc_fragment((C, BV), "float32")             # U, then W, then Vd
             vn_f = T.alloc_fragment((C, BV), "float32")
-            vd_f = T.alloc_fragment((C, BV), "float32")
+            gam_f = T.alloc_fragment((C, C), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             o_f = T.alloc_fragment((C, BV), "float32")
-            # u_s is read in the accumulator layout (8 rows of 128 bytes per warp access): swizzle it
-            T.annotate_layout({u_s: tilelang.layout.make_swizzled_layout(u_s)})
+            keep = T.alloc_var("int32")                            # this chunk's gated flag
+            # v_s and ab_s are read in the accumulator layout (8 rows of 128 bytes per warp access)
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
 
             # ---- barriers; arrive counts: every thread of each arriving role arrives once
             bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)      # producer -> all
             bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)       # scores -> chain
+            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # chain -> scores
             bar_state_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)    # chain -> output
             bar_state_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)     # output -> chain
             bar_scores_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)   # scores -> output
@@ -360,25 +489,31 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
                 T.set_max_nreg(REGS_CHAIN, 1)
                 # S <- h0 (this CTA's BV columns of it)
                 T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
-                for c in T.serial(num_chunks):
+                for c in T.serial(num_seq_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
                     n = T.min(eos - bos - c * C, C)                # real rows of this chunk, 1..64
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
                     T.barrier_wait(bar_state_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
-                    # S_c (fp32 registers) -> bf16 in slot b: the operand of W S here and of Q S
+                    # S_c (fp32 registers) -> bf16 in slot b: the operand of K S here and of Q S
                     # in the output warpgroup
                     T.copy(h_f, h_s[b, :, :])
-                    # ---- chain math (s03's w, u form)
-                    # V~ <- U - W S, zero rows >= n (they then add nothing to the state);
-                    # V_d <- diag(exp(g_C - g)) V~, the decayed copy the state update reads
-                    T.gemm(w_s[s, :, :], h_s[b, :, :], vn_f, clear_accum=True)
+                    # U <- K S
+                    T.gemm(k_s[s, :, :], h_s[b, :, :], x_f, clear_accum=True)
+                    # W <- V - diag(exp(g)) U, rows >= n zero (their V~ rows are then zero too)
                     for i, j in T.Parallel(C, BV):
-                        vn_f[i, j] = T.if_then_else(i < n, u_s[s, i, j] - vn_f[i, j], 0)
-                        vd_f[i, j] = vn_f[i, j] * T.exp2(g_s[s, C - 1] - g_s[s, i])
-                    T.copy(vd_f, vd_s)
-                    # ---- end of the chain math
-                    # S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~, issued without waiting ...
+                        x_f[i, j] = T.if_then_else(
+                            i < n, v_s[s, i, j] - T.exp2(g_s[s, i]) * x_f[i, j], 0)
+                    T.copy(x_f, w_s)
+                    # V~ <- WY W, WY from the scores warpgroup; its slot is free once this returns
+                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
+                    T.gemm(wy_s[b, :, :], w_s, vn_f, clear_accum=True)
+                    T.barrier_arrive(bar_wy_free[b])
+                    # V_d <- diag(exp(g_C - g)) V~, the decayed copy the state update reads
+                    for i, j in T.Parallel(C, BV):
+                        x_f[i, j] = vn_f[i, j] * T.exp2(g_s[s, C - 1] - g_s[s, i])
+                    T.copy(x_f, vd_s)
+                    # S <- exp(g_C) S + K^T V_d, issued without waiting ...
                     for i, j in T.Parallel(K, BV):
                         h_f[i, j] = h_f[i, j] * T.exp2(g_s[s, C - 1])
                     T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
@@ -393,17 +528,30 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
 
             elif tx >= CHAIN_END and tx < SCORES_END:  # ---- the scores warpgroup
                 T.set_max_nreg(REGS_SCORES, 1)
-                for c in T.serial(num_chunks):
+                for c in T.serial(num_seq_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
+                    n = T.min(eos - bos - c * C, C)
+                    keep = gated[row0 + c, i_hv]
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_wy_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    # Gamma <- exp(g_i - g_j), the exponent clamped at 0 so that the upper
+                    # triangle (masked below) stays finite: no branch
+                    for i, j in T.Parallel(C, C):
+                        gam_f[i, j] = T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
+                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on j <= i < n, 0 elsewhere;
+                    # handed to the chain first: it waits for it, the output does not yet
+                    for i, j in T.Parallel(C, C):
+                        wy_s[b, i, j] = T.if_then_else(
+                            (j <= i) & (i < n),
+                            ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_wy_ready[b])
+                    # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal
                     T.barrier_wait(bar_scores_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
-                    # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal; the exponent
-                    # is clamped at 0 so that the masked upper triangle stays finite (no branch)
                     T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
-                        p_f[i, j] = scale * p_f[i, j] * T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
-                        p_f[i, j] = T.if_then_else(j <= i, p_f[i, j], 0)
+                        p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
                     T.barrier_arrive(bar_tiles_empty[s])
                     T.copy(p_f, p_s[b, :, :])
                     T.fence_proxy_async()
@@ -411,7 +559,7 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
 
             elif tx >= SCORES_END and tx < OUTPUT_END:  # ---- the output warpgroup
                 T.set_max_nreg(REGS_OUTPUT, 1)
-                for c in T.serial(num_chunks):
+                for c in T.serial(num_seq_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
                     t0 = bos + c * C
@@ -435,28 +583,28 @@ def fused_h_o_kernel(H: int, HV: int, K: int, V: int):
 
             elif tx >= OUTPUT_END:  # ---- the producer warpgroup
                 T.set_max_nreg(REGS_PRODUCER, 0)
-                for c in T.serial(num_chunks):
+                for c in T.serial(num_seq_chunks):
                     s = c % NUM_STAGES
                     t0 = bos + c * C
                     T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
                     # full 64-row boxes; rows past the sequence end are masked by the consumers
                     T.tma_copy(q[t0:t0 + C, i_h, :], q_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
-                    T.tma_copy(w[t0:t0 + C, i_hv, :], w_s[s, :, :], barrier=bar_tiles_full[s])
-                    T.tma_copy(u[t0:t0 + C, i_hv, v0:v0 + BV], u_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, v0:v0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
                     # g <- log2(e) g_cum, rows past the end padded with the last real row, so every
-                    # exponent below (g_i - g_j with i >= j, g_C - g_i) is <= 0
+                    # exponent (g_i - g_j with i >= j, g_C - g_i, g_i, g_C) is <= 0
                     for i in T.Parallel(C):
                         g_s[s, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
                     T.barrier_arrive(bar_tiles_full[s])
 
-    return gdn_fused_ws
+    return gdn_fused_ws_reform
 
 
 # compile options beyond the target, as the stages use them. The fused kernel: no shared-memory
 # reuse (TileLang plans it as if the role branches ran one after another), fast math (exp2 is one
 # ex2.approx, no branch)
-PASS_CONFIGS = {fused_h_o_kernel: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}}
+PASS_CONFIGS = {fused_reform_kernel: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}}
 
 
 @functools.cache
@@ -485,33 +633,36 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if B * T == 0:
         return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
 
-    chunks, _ = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    chunks, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
     g_cum = torch.empty(B * T, HV, **fp32)
-    w, u = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, V, **bf16)
+    ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
+    gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     with nvtx_range("fwd.chunk_local_cumsum"):
         _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
-    with nvtx_range("fwd.chunk_fwd_intra"):
-        _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
+    with nvtx_range("fwd.gate_free_solve"):
+        _compiled(gate_free_solve_kernel, H, HV, HV // H)(k, beta, g_cum, chunks, ab, gated)
 
     p = autocp.plan(cu_seqlens, B, T, HV, autocp.num_sms(device), V // BLOCK_V, device, force=cp)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
-        # phase 1: Z (and M for exact heads) of every slot's warm-up window
+        # phase 1: w, u (the warm-up kernel's chain reads them), then Z (and M for exact heads) of
+        # every slot's warm-up window
+        w, u = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, V, **bf16)
+        with nvtx_range("fwd.chunk_fwd_intra"):
+            _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
         win_start, exact, _ = autocp.warmup(p, g_cum, autocp.bound_violations(
             k.view(B, T, H, K), g.view(B, T, HV), beta.view(B, T, HV)))
         z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
         with nvtx_range("fwd.autocp_warmup"):
             _compiled(warmup_kernel, H, HV)(k, w, u, g_cum, win_start, p.slot_start, exact, z, m)
-        # phase 2: h_j = Z_j + M_j h_{j-1}, slot j * N + n, all (sequence, head) pairs per step
-        hs = torch.empty(J, N * HV, K, V, **fp32)
-        hs[0].copy_(h0.view(N * HV, K, V))
-        zs, ms = z.view(J, N * HV, K, V), m.view(J, N * HV, K, K)
-        for j in range(1, J):
-            torch.baddbmm(zs[j], ms[j], hs[j - 1], out=hs[j])
-        seqs, h0 = p.bounds, hs.view(J * N, HV, K, V).index_select(0, p.slot_of_segment)
+        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row
+        h0 = autocp.segment_initial_states(p, h0, z, m)
+        # segments as sequences; gated stays indexed by the whole sequences' chunk rows
+        seqs, first_chunk = p.bounds, p.first_chunk
     ht = torch.empty(h0.shape, **fp32)
     with nvtx_range("fwd.chunk_h_o"):
-        _compiled(fused_h_o_kernel, H, HV, K, V)(q, k, w, u, g_cum, h0, seqs, scale, o, ht)
+        _compiled(fused_reform_kernel, H, HV, K, V)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
+                                                    scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

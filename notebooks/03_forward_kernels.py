@@ -441,11 +441,12 @@ if not later:
 # values per token and head) and its inverse never reach HBM. It is its own op, checked against
 # the composition of the three references it replaces. `flashqla.chunk_gated_delta_rule` then runs,
 # on an SM90 GPU with bf16 inputs and $K = V = 128$, kernels copied from their stages into
-# `flashqla/fwd.py`: chunk-local cumsum, this fused preparation, and the fused recurrence and
-# output, now in the warp-specialized form of `gdn_fwd.s05` (same math as s03), with AutoCP's
-# warm-up kernel (`gdn_fwd.s06`) when few heads run long sequences; the later chapters teach those
-# two. A test asserts that each copy builds the same TileLang program as its stage, so the
-# library runs exactly what the stage tests checked.
+# `flashqla/fwd.py`. For a while those were chunk-local cumsum, this fused preparation and s03's
+# fused recurrence and output; today they are the later chapters' stages: the gate-free solve and
+# the warp-specialized fused kernel on the reformulated math (`gdn_fwd.s07`, chapter 4), with
+# AutoCP (`gdn_fwd.s08`, chapter 5) when few heads run long sequences, where this fused
+# preparation still gives the warm-up kernel its $w$ and $u$. A test asserts that each copy builds
+# the same TileLang program as its stage, so the library runs exactly what the stage tests checked.
 
 # %%
 intra = load("chunk_fwd_intra", 1)

@@ -293,6 +293,23 @@ s06 = load("gdn_fwd", 6)
 print(inspect.getsource(s06.forward))
 
 # %% [markdown]
+# `gdn_fwd.s08` runs the same plan and phases around chapter 4's fastest kernel, s07, which reads
+# $v$, $A_b$ and a per-(chunk, head) `gated` flag instead of $w$, $u$. Two things change. The
+# warm-up kernel still runs the $w$, $u$ chain, so on the split path `chunk_fwd_intra.s01` computes
+# them. And the flags belong to rows of the chunk table of the whole sequences: since every
+# segment starts on a chunk boundary of its sequence, segment $j$ of sequence $n$ starts at that
+# sequence's first row plus $jL$, which the plan carries as `first_chunk`. The library's forward
+# (`flashqla/fwd.py`) is s08's.
+
+# %%
+print(load("gdn_fwd", 8).__doc__.strip().splitlines()[0])
+lengths8 = (1000, 130, 2000)                                        # 16 + 3 + 32 chunks, L = 8
+plan8 = autocp.plan(torch.tensor([0, *itertools.accumulate(lengths8)], dtype=torch.int32), 1,
+                    sum(lengths8), 8, 132, 2, "cpu", force=8)
+print("segment bounds  ", plan8.bounds.tolist())
+print("first chunk rows", plan8.first_chunk.tolist())
+
+# %% [markdown]
 # ## 5. What it buys
 #
 # `profiles/autocp_lab.py` times s03 (the unsplit chain) and s06 (as the rule decides, and forced

@@ -701,10 +701,10 @@ assert slower == [("chunk_bwd_dhu.s01", "(2, 8) 1 x 32768"), ("gdn_bwd.s01", "(2
 # gradients of $q, k, v, g, \beta$ and the initial state for random upstream gradients of the output
 # and of the final state. FLA and FlashQLA run through `torch.autograd`; each backward stage runs
 # after the library's forward (`flashqla.fwd`); the entry point runs the library's forward and
-# `flashqla/bwd.py` (s01's kernels) through its `autograd.Function`. Every flashqla row is checked
-# against this chapter's float64 backward first; all rows of a problem are timed in one process
-# (CUDA-graph replay where capture works). The committed rows (`profiles/results/gdn_train.csv`),
-# in ms:
+# `flashqla/bwd.py` through its `autograd.Function` (it held s01's kernels when the rows of six
+# head layouts were timed, s02's for (16, 48)'s). Every flashqla row is checked against this chapter's float64
+# backward first; all rows of a problem are timed in one process (CUDA-graph replay where capture
+# works). The committed rows (`profiles/results/gdn_train.csv`), in ms:
 
 # %%
 TRAIN_CSV = ROOT / "profiles" / "results" / "gdn_train.csv"
@@ -730,45 +730,54 @@ assert all(t["s02"] < t["s01"] and t["FlashQLA"] < min(v for c, v in t.items() i
 hv_of = {p: int(re.match(r"\((\d+), (\d+)\)", p).group(2)) for p in train}
 behind = {p for p, t in train.items() if t["s02"] > t["FLA"]}
 assert behind == {p for p in train if "1x" in p and (hv_of[p] <= 16 or (hv_of[p] <= 32 and "x8192" in p))}, behind
+# the API rows that ran s02's kernels (the promoted backward): (16, 48)'s
+api_over_s02 = {p: t["s02"] / t["API"] for p, t in train.items() if p.startswith("(16, 48)")}
+assert api_over_s02 and all(1 < x < 1.04 for x in api_over_s02.values()), api_over_s02
 
 # %% [markdown]
 # s02 is faster than s01 on every problem and than FLA on every varlen batch (8 x 4096 tokens) and
-# every (16, 64) problem: 0.73-1.28x FLA over the 18 problems, geomean 1.03x. It falls behind FLA on
+# every (16, 64) problem: 0.73-1.28x FLA over the 21 problems, geomean 1.05x. It falls behind FLA on
 # single sequences with few value heads (all of 1 x 8192 up to 32 value heads, 1 x 32768 up to 16):
 # there, the two walks have one CTA per (sequence, value head, 64 columns), a few dozen CTAs on 132
-# SMs, each walking every chunk in turn, and FLA's simpler walk takes less time per chunk. The entry
-# point runs s01's kernels, not yet s02's. FlashQLA is the fastest row on every problem, 1.9-3.7x
-# FLA: its backward is one fused warp-specialized kernel (a producer and consumer warpgroups ordered
-# by 16 barrier stages), the pipeline that comes after s02 here.
+# SMs, each walking every chunk in turn, and FLA's simpler walk takes less time per chunk. The API
+# column ran s01's kernels, except on (16, 48), where it runs s02's and is 1-4% faster than the s02
+# row (the same kernels after the library's forward). FlashQLA is the fastest
+# row on every problem, 1.9-3.7x FLA: its backward is one fused warp-specialized kernel (a producer
+# and consumer warpgroups ordered by 16 barrier stages), the pipeline that comes after s02 here.
 #
-# What the kernels look like: the generated CUDA of `chunk_bwd_dhu.s01`, the reverse walk the library
-# runs (`kernel_source()` builds it for sm_90a on any machine; a first build compiles, 10-40 s). Per
-# instruction of interest, how many lines hold it and the first one. The pipeline is `T.Pipelined`'s:
-# a producer warpgroup issues the TMA loads, each stage's mbarrier is told how many bytes to expect,
-# and the consumer warpgroup waits on it before its wgmma.
+# What the kernels look like: the generated CUDA of the walk kernel the library runs (its copy of
+# `gdn_bwd.s02`'s, built for sm_90a at (H, HV) = (16, 32) on any machine; a first build compiles,
+# 10-40 s). Per instruction of interest, how many lines hold it and the first one. The pipeline is
+# written by hand: `blockIdx.y` picks the role (the forward walk or the reverse one); in each CTA the
+# producer warpgroup waits for a stage's `bar_empty`, tells its `bar_full` how many bytes to expect
+# and issues the TMA loads, and the consumer warpgroup waits on `bar_full`, runs its wgmma (the
+# reverse walk's P^T dO with P^T in registers) and arrives on `bar_empty`.
 
 # %%
-dhu_source = bwd_stages["chunk_bwd_dhu.s01"].kernel_source()
+walk_source = bwd._compiled(bwd.walk_kernel, 16, 32, bwd.BV).get_kernel_source()
 KEY_LINES = (  # (what, a pattern matched against each line of the generated CUDA)
     ("the kernel and its launch bounds", r"__global__ void __launch_bounds__"),
+    ("the role", r"blockIdx\.y\) == 0"),
     ("wgmma, both operands in shared memory", r"tl::wgmma_ss<"),
+    ("wgmma, A from registers (P^T dO)", r"tl::wgmma_rs<"),
     ("wait for the issued wgmma", r"tl::warpgroup_wait<"),
     ("TMA load (cp.async.bulk.tensor) into a stage", r"tl::tma_load\("),
-    ("mbarrier: expect the stage's bytes", r"\.expect_transaction\("),
-    ("mbarrier: wait for a phase", r"mbarrier\[.*\]\.wait\("),
+    ("mbarrier: expect the stage's bytes", r"bar_full\[.*\]\.expect_transaction\("),
+    ("mbarrier: the consumer waits for a full stage", r"bar_full\[.*\]\.wait\("),
+    ("mbarrier: the consumer frees the stage", r"bar_empty\[.*\]\.arrive\("),
     ("exp2f (ex2.approx)", r"exp2f\("),
 )
-print("chunk_bwd_dhu.s01:", end=" ")
-cuda_excerpt(dhu_source, KEY_LINES, width=120)
-assert all(any(re.search(pattern, line) for line in dhu_source.splitlines()) for _, pattern in KEY_LINES)
-assert all(s in dhu_source for s in bwd_stages["chunk_bwd_dhu.s01"].SOURCE_MUST_CONTAIN)
+print("the library's walk kernel:", end=" ")
+cuda_excerpt(walk_source, KEY_LINES, width=120)
+assert all(any(re.search(pattern, line) for line in walk_source.splitlines()) for _, pattern in KEY_LINES)
 
 # %% [markdown]
 # ### What the library runs
 #
-# `flashqla/bwd.py` holds the promoted backward: a copy, unchanged, of every kernel `gdn_bwd.s01` runs
-# (`tests/test_promoted.py` asserts that each builds the same TileLang program as its stage), launched
-# in the same order with no host synchronization:
+# `flashqla/bwd.py` holds the promoted backward: a copy, unchanged, of every kernel `gdn_bwd.s02` runs
+# (its prep, walk and finish kernels, `chunk_bwd_dqkwg.s01` and `wy_bwd.s01`; `tests/test_promoted.py`
+# asserts that each builds the same TileLang program as its stage, with the same compile options),
+# launched in the same order with no host synchronization:
 
 # %%
 print(bwd.__doc__)
@@ -814,6 +823,6 @@ print(ast.get_source_segment(test_api.read_text(), graph_test))
 #   (`chunk_bwd_dv_local.s01`, `chunk_bwd_dhu.s01`, `chunk_bwd_dqkwg.s01`, `wy_bwd.s01`, after the
 #   forward's stages recompute the intermediates); measured on an H200 it is 1.12x FLA's backward at
 #   (16, 64) and 0.83x at (2, 8), where the two sequential walks dominate. `gdn_bwd.s02` puts both
-#   walks in one launch: a training step with it is 0.73-1.28x FLA's (geomean 1.03x), behind on
-#   single sequences with few heads; FlashQLA is 1.9-3.7x FLA. The library runs s01's kernels
+#   walks in one launch: a training step with it is 0.73-1.28x FLA's (geomean 1.05x), behind on
+#   single sequences with few heads; FlashQLA is 1.9-3.7x FLA. The library runs s02's kernels
 #   (`flashqla/bwd.py`), saving only the inputs, and a whole training step captures in a CUDA graph.

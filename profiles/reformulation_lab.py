@@ -11,7 +11,7 @@ An optional second argument, a time limit in seconds, dumps the stacks 10 s befo
 the adversarial inputs of flashqla.testing (as tests/test_reformulation.py) and on a public problem. ``timing`` times,
 per problem, each entry once per repeat after 3 warm-up calls (flashqla.timing.median_ms, 20
 repeats): FLA's chunk_gated_delta_rule (gdn_fwd.s00, FLA_FLASH_QLA=0), gdn_fwd.s03's run, the
-promoted forward (flashqla.fwd: chunk_fwd_intra.s01 + the fused kernel; s03's when these numbers were taken), gdn_fwd.s04's run, the
+promoted forward (flashqla.fwd; chunk_fwd_intra.s01 + s03's fused kernel when these numbers were taken), gdn_fwd.s04's run, the
 two fused kernels alone (inputs precomputed), and the two preparations alone: chunk_fwd_intra.s01
 (w, u) and gate_free_solve.s01 (Ab), the latter also with one value head per CTA.
 """

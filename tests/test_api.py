@@ -227,13 +227,12 @@ def compiled_kernels():
     from flashqla import bwd, fwd
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
-        (fwd.chunk_local_cumsum_kernel, HV), (fwd.chunk_fwd_intra_kernel, H, HV),
-        (fwd.fused_h_o_kernel, H, HV, 128, 128), (bwd.chunk_kkt_kernel, H, HV, 128),
-        (bwd.kkt_solve_kernel, HV), *((b, H, HV) for b in (
-            bwd.chunk_w_u_kernel, bwd.chunk_h_kernel, bwd.chunk_bwd_dv_local_kernel,
-            bwd.chunk_bwd_dhu_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel)))]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda job: fwd._compiled(*job), jobs))
+        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.gate_free_solve_kernel, H, HV, HV // H),
+        (fwd, fwd.fused_reform_kernel, H, HV, 128, 128), (bwd, bwd.walk_kernel, H, HV, bwd.BV),
+        *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
+                                    bwd.finish_kernel)))]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # each module's cache, with its options
+        list(pool.map(lambda job: job[0]._compiled(*job[1:]), jobs))
 
 
 def _api_grads(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):

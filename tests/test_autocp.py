@@ -1,11 +1,14 @@
-"""AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06 on the GPU.
+"""AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06 and
+s08 on the GPU.
 
-CPU: the decision rule, the segment table (every token in exactly one segment), the warm-up
-counts against a brute-force count, the device-side fallback where the bound's conditions fail,
-the reference's exact chaining against the recurrence, and the bound itself in float64
+CPU: the decision rule, the segment table (every token in exactly one segment), each segment's
+first chunk row, the warm-up counts against a brute-force count, the device-side fallback where
+the bound's conditions fail, the chaining of phase 2 against a loop, the reference's exact
+chaining against the recurrence, and the bound itself in float64
 (||approximated - exact|| <= exp(log decay over the window) ||state where the window starts||).
-GPU: CP on against CP off (each head's error against float64), varlen with many segments,
-bitwise determinism, and CUDA-graph capture and replay of the whole forward.
+GPU, for each stage (s06: s05's kernel as the chain; s08: s07's): CP on against CP off (each
+head's error against float64), varlen with many segments, bitwise determinism, and CUDA-graph
+capture and replay of the whole forward.
 """
 
 import concurrent.futures
@@ -16,6 +19,7 @@ import torch
 
 from flashqla import autocp
 from flashqla import reference as ref
+from flashqla.varlen import chunk_table
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
                               rel_l2)
 
@@ -104,6 +108,56 @@ def test_plan_covers_every_token_once(lengths, varlen, L):
         for n in range(N):
             assert starts[j][n] == seg.get((n, j), (cu[n + 1],))[0]
             assert warm[j][n] == (j >= 1 and (n, j) in seg)
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 8])
+@pytest.mark.parametrize("lengths,varlen", [((0, 1, 500, 64, 1300, 0, 129), True), ((5,), True),
+                                            ((640, 640, 640), False), ((1000,), True),
+                                            ((130, 0, 0, 2000, 63, 65), True)])
+def test_first_chunk_rows_are_the_whole_sequences_rows(lengths, varlen, L):
+    """Segment j of sequence n starts at row (chunks of the sequences before n) + j L of the
+    sequences' chunk table, the row that starts at the segment's first token; a segment's rows end
+    where the next one's begin; rows past the real segments hold the real chunk count."""
+    T = sum(lengths)
+    batch, seqlen = (1, T) if varlen else (len(lengths), lengths[0])
+    cu = cu_of(lengths) if varlen else None
+    p = autocp.plan(cu, batch, seqlen, 4, 132, 2, CPU, force=L)
+    table, seq_first = chunk_table(cu, batch, seqlen, C, CPU)
+    want = python_segments(lengths, L)
+    total = sum(math.ceil(n / C) for n in lengths)
+    first = p.first_chunk.tolist()
+    assert p.first_chunk.dtype == torch.int32 and len(first) == p.bounds.shape[0]
+    for r, (s, e, n, j) in enumerate(want):
+        assert first[r] == sum(math.ceil(m / C) for m in lengths[:n]) + j * L, r
+        assert first[r] == seq_first[n] + j * L
+        assert first[r + 1] - first[r] == math.ceil((e - s) / C), r       # its chunks, no more
+        if e > s:
+            assert table[first[r]].tolist() == [s, min(s + C, e)], r
+    assert all(f == total for f in first[len(want):])
+
+
+def test_segment_initial_states_chain_the_slots():
+    """Phase 2 against a plain loop per sequence: h_0 = h0, h_j = Z_j + M_j h_{j-1}, gathered by
+    segment row (empty rows get slot 0's state)."""
+    lengths, L, HV, K = (700, 1, 300, 0, 1500), 3, 2, 4
+    p = autocp.plan(cu_of(lengths), 1, sum(lengths), HV, 132, 2, CPU, force=L)
+    N, J = len(lengths), p.max_segments
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.randn(N, HV, K, K, generator=gen)
+    z = torch.randn(J * N, HV, K, K, generator=gen)
+    m = torch.randn(J * N, HV, K, K, generator=gen)
+    got = autocp.segment_initial_states(p, h0, z, m)
+    want = {}
+    for n in range(N):
+        h = h0[n]
+        for j in range(J):
+            if j:
+                h = z[j * N + n] + m[j * N + n] @ h
+            want[j * N + n] = h
+    rows = p.bounds.shape[0] - 1
+    assert got.shape == (rows, HV, K, K)
+    for r, slot in enumerate(p.slot_of_segment.tolist()):
+        assert torch.allclose(got[r], want[slot], rtol=1e-5, atol=1e-5), r
 
 
 def test_plan_is_kept_for_the_same_cu_seqlens():
@@ -278,18 +332,19 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
     assert n_warm > 0
 
 
-# ---- gdn_fwd.s06 on the GPU ---------------------------------------------------------------------
+# ---- gdn_fwd.s06 and s08 on the GPU -------------------------------------------------------------
 
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module")
-def s06():
-    """The stage, with its kernels (and those of the chain it runs) compiled on threads first."""
+@pytest.fixture(scope="module", params=[6, 8], ids=["s06", "s08"])
+def stage(request):
+    """The stage (s06, or s08 on s07's kernel), with its kernels (and those of the chain it runs)
+    compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
-    mod = load("gdn_fwd", 6)
+    mod = load("gdn_fwd", request.param)
     small = [Problem(H, HV, (700,)).inputs("cuda") for H, HV in PUBLIC_HEADS]  # serially (torch init)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda x: mod.forward(**x, cp=2), small))
@@ -311,19 +366,19 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem,L", GPU_CASES, ids=lambda c: getattr(c, "label", str(c)))
-def test_cp_on_matches_cp_off(s06, problem, L):
+def test_cp_on_matches_cp_off(stage, problem, L):
     """Every value head with CP is as close to float64 as without (x TOLERANCE_FACTOR): the
     warm-up heads' approximation (<= e^-10 of a state) is far below the kernel's bf16 rounding,
     and the exact heads change only where rounding happens. Plus the usual check_op bound."""
     x = problem.inputs("cuda", seed=1)
-    on = s06.forward(**x, cp=L)
-    off = s06.forward(**x, cp=False)
+    on = stage.forward(**x, cp=L)
+    off = stage.forward(**x, cp=False)
     want = ref.chunk_gated_delta_rule_ref(**cast_floats(x, F64))
     for got_on, got_off, w, axis in ((on[0], off[0], want[0], 2), (on[1], off[1], want[1], 1)):
         e_on, e_off = head_errors(got_on, w, axis), head_errors(got_off, w, axis)
         for h, (a, b) in enumerate(zip(e_on, e_off)):
             assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
-    check_op("gdn_fwd", lambda **kw: s06.forward(**kw, cp=L), x)
+    check_op("gdn_fwd", lambda **kw: stage.forward(**kw, cp=L), x)
     # the plan took both paths: g = 0 heads exact, the strongly decaying ones warmed up
     B, T = x["q"].shape[:2]
     p = autocp.plan(x["cu_seqlens"], B, T, problem.HV, 132, 2, x["q"].device, force=L)
@@ -336,11 +391,11 @@ def test_cp_on_matches_cp_off(s06, problem, L):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-def test_bitwise_deterministic(s06):
+def test_bitwise_deterministic(stage):
     x = Problem(4, 16, (3000, 1, 700, 2500)).inputs("cuda", seed=2)
-    first = s06.forward(**x, cp=4)
+    first = stage.forward(**x, cp=4)
     for _ in range(3):
-        again = s06.forward(**x, cp=4)
+        again = stage.forward(**x, cp=4)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
@@ -348,21 +403,72 @@ def test_bitwise_deterministic(s06):
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem", [Problem(2, 8, (8192,)), Problem(2, 8, (5000, 3000, 192))],
                          ids=lambda p: p.label)
-def test_cuda_graph_replay_equals_eager(s06, problem):
+def test_cuda_graph_replay_equals_eager(stage, problem):
     """run decides and plans on the device: the whole forward captures, and replays bitwise."""
     x = problem.inputs("cuda", seed=3)
     B, T = x["q"].shape[:2]
     assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), 2, x["q"].device)
-    eager = s06.run(**x)
+    eager = stage.run(**x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = s06.run(**x)
+        captured = stage.run(**x)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
     x["v"].mul_(-1)                                                 # new inputs, same tensors
     graph.replay()
-    flipped = s06.run(**x)
+    flipped = stage.run(**x)
     torch.cuda.synchronize()
     assert torch.equal(captured[0], flipped[0]) and torch.equal(captured[1], flipped[1])
+
+
+def flag_every_third_chunk(x):
+    """Problem inputs with the keys of every third chunk (rows 1, 4, 7, ... of the chunk table)
+    times 3, ||k||^2 = 9, and there odd value heads beta ~ 1 with a decay of -3 to -4 a token
+    (beta ||k||^2 > 2: gate_free_solve keeps the gate and flags the chunk) and even heads beta = 0.2
+    (1.8 <= 2: not flagged), as in flashqla.testing.adversarial_inputs; other chunks unchanged (not
+    flagged). An odd head's flags then change from chunk to chunk: a segment reading another
+    chunk's flag applies its gate twice or not at all."""
+    B, T, HV = x["g"].shape
+    table, _ = chunk_table(x["cu_seqlens"], B, T, C, x["g"].device)
+    third = torch.zeros(B * T, dtype=torch.bool, device=x["g"].device)
+    for s, e in table[1::3].tolist():
+        third[s:e] = True
+    third = third.view(B, T, 1)
+    odd = torch.arange(HV, device=third.device) % 2 == 1
+    gen = torch.Generator(third.device).manual_seed(7)
+    beta = torch.where(odd, 1 - 1e-3 * torch.rand(B, T, HV, generator=gen, device=third.device), 0.2)
+    g = torch.where(odd, -3.0 - torch.rand(B, T, HV, generator=gen, device=third.device), x["g"])
+    return {**x, "k": torch.where(third[..., None], 3 * x["k"], x["k"]),
+            "beta": torch.where(third, beta, x["beta"]), "g": torch.where(third, g, x["g"])}
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem,L", [(Problem(2, 8, (4096,)), 8),
+                                       (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
+                                       (Problem(2, 8, (1000, 1000), varlen=False), 2)],
+                         ids=lambda c: getattr(c, "label", str(c)))
+def test_s08_segments_read_their_own_chunks_gated_flags(problem, L):
+    """gdn_fwd.s08's phase 3 reads ``gated`` at each segment's rows of the whole sequences' chunk
+    table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is as close to
+    float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple of the
+    flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
+    from flashqla.stages import load
+
+    s08 = load("gdn_fwd", 8)
+    x = flag_every_third_chunk(problem.inputs("cuda", seed=5))
+    cu = x["cu_seqlens"]
+    g_cum = load("chunk_local_cumsum", 1).run(x["g"], cu)
+    _, gated = load("gate_free_solve", 1).solve(x["k"], x["beta"], g_cum, cu)
+    odd = torch.arange(problem.HV, device="cuda") % 2 == 1
+    assert gated[:, odd].any() and not gated[:, odd].all() and not gated[:, ~odd].any()
+    on = s08.forward(**x, cp=L)
+    off = s08.forward(**x, cp=False)
+    want = ref.chunk_gated_delta_rule_ref(**cast_floats(x, F64))
+    for got_on, got_off, w, axis in ((on[0], off[0], want[0], 2), (on[1], off[1], want[1], 1)):
+        e_on, e_off = head_errors(got_on, w, axis), head_errors(got_off, w, axis)
+        for h, (a, b) in enumerate(zip(e_on, e_off)):
+            assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
+    check_op("gdn_fwd", lambda **kw: s08.forward(**kw, cp=L), x)

@@ -1,7 +1,9 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s08) gives."""
+
+import sys
 
 import pytest
 import torch
@@ -13,42 +15,49 @@ from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
-    (fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
-    # the backward (kernels/gdn_bwd/s01_separate_kernels.py and the stages it runs)
-    (bwd.chunk_kkt_kernel, ("chunk_kkt", 2), "chunk_kkt_kernel", (16, 32, 128)),
-    (bwd.kkt_solve_kernel, ("kkt_solve", 1), "kkt_solve_kernel", (32,)),
-    (bwd.chunk_w_u_kernel, ("chunk_w_u", 1), "chunk_w_u_kernel", (16, 32)),
-    (bwd.chunk_h_kernel, ("chunk_h", 1), "chunk_h_kernel", (16, 32)),
-    (bwd.chunk_bwd_dv_local_kernel, ("chunk_bwd_dv_local", 1), "chunk_bwd_dv_local_kernel", (16, 32)),
-    (bwd.chunk_bwd_dhu_kernel, ("chunk_bwd_dhu", 1), "chunk_bwd_dhu_kernel", (16, 32)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
+    # library's BV
+    (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
+    (bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, bwd.BV)),
     (bwd.chunk_bwd_dqkwg_kernel, ("chunk_bwd_dqkwg", 1), "chunk_bwd_dqkwg_kernel", (16, 32)),
     (bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
+    (bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
 ]
+# how a stage compiles a kernel, where it is not ``_compiled(*shape)``: gdn_bwd.s02 has one function
+# per kernel, each taking (H, HV) (the walk's BV is the stage's)
+STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish"}
+IDS = [f"{op}.s{n:02d}.{name}" for _, (op, n), name, _ in PROMOTED]
 
 
-@pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED,
-                         ids=[f"{op}.s{n:02d}" for _, (op, n), _, _ in PROMOTED])
+@pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
 def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shape):
     assert builder(*shape).script() == getattr(load(*stage), stage_builder)(*shape).script()
 
 
-@pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED,
-                         ids=[f"{op}.s{n:02d}" for _, (op, n), _, _ in PROMOTED])
+@pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
 def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_builder, shape,
                                                          monkeypatch):
     """The library compiles each kernel with its stage's target and pass configs (the fused forward
-    kernel is only correct without shared-memory reuse). tilelang.compile is replaced by a recorder:
-    nothing is compiled."""
+    kernel and the backward's walk are only correct without shared-memory reuse), and the stage
+    compiles the same program (for the walk: with the library's BV). tilelang.compile is replaced by
+    a recorder: nothing is compiled."""
     import tilelang
 
     calls = []
-    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append(options))
-    fwd._compiled.__wrapped__(builder, *shape)          # flashqla.bwd compiles through it too
-    load(*stage)._compiled.__wrapped__(*shape)
-    library, staged = calls
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
+    module = load(*stage)
+    if stage_builder in STAGE_COMPILE:
+        getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])
+    else:
+        module._compiled.__wrapped__(*shape)
+    (library_program, library), (staged_program, staged) = calls
     assert library == staged, (library, staged)
+    assert library_program == staged_program
 
 
 def test_a_changed_kernel_is_caught():
@@ -57,12 +66,15 @@ def test_a_changed_kernel_is_caught():
 
 
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
-    (fwd, "H_O_THREADS", 256, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
-    (fwd, "REGS_CHAIN", 200, fwd.fused_h_o_kernel, ("gdn_fwd", 5), "fused_h_o_kernel", (16, 32, 128, 128)),
+    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
-    (bwd, "BV", 32, bwd.chunk_bwd_dhu_kernel, ("chunk_bwd_dhu", 1), "chunk_bwd_dhu_kernel", (16, 32)),
+    (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
+    (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.H_O_THREADS", "fwd.REGS_CHAIN", "fwd.BLOCK", "bwd.BV", "bwd.TWO_WG_THREADS"])
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.GROWTH_LIMIT", "fwd.BLOCK", "bwd.STAGES",
+        "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
     """flashqla.fwd and flashqla.bwd hold their stages' constants (some renamed): a copy built with
@@ -99,3 +111,20 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
                        128 // fwd.BLOCK_V, "cuda", force=cp) is not None
     check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), False),        # the fused kernel on sequences
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # ... on segments
+    (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
+], ids=["varlen-off", "varlen-L4", "batch-L3"])
+def test_forward_is_the_stage_forward(problem, cp):
+    """flashqla.fwd.forward runs gdn_fwd.s08's kernels in s08's order on the same inputs: the same
+    bits (the kernels are deterministic, tests/test_autocp.py)."""
+    x = problem.inputs("cuda", seed=4)
+    s08 = load("gdn_fwd", 8)
+    want = s08.forward(**x, cp=cp)
+    got = fwd.forward(**x, cp=cp)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,5 +1,5 @@
 """The reformulation of gdn_fwd.s04: its identities in float64 (CPU), and its precision policy on
-adversarial inputs on the GPU.
+adversarial inputs on the GPU (s04, and s09, which forms w and u on chip from the same Ab).
 
     Gamma * A_r = Ai                      the gate-free inverse carries the gate elementwise
     (Gamma * Ab) (V - D K h) = u - w h    so w and u need not exist
@@ -104,3 +104,13 @@ def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound():
     want = torch.stack([(growth[0, s:e] > 2).any(0) for s, e in bounds.tolist()]).int()
     assert torch.equal(gated, want)
     assert 0 < int(gated.sum()) < gated.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_s09_on_adversarial_inputs(kind):
+    """gdn_fwd.s09 forms w = (Gamma * Ab) diag(exp g) K on chip, for flagged chunks from Ab as
+    stored (its columns scaled): the unnormalized keys are where that path runs."""
+    inputs = adversarial_inputs(kind, seed=zlib.crc32(kind.encode()))
+    check_op("gdn_fwd", stages.load("gdn_fwd", 9).run, inputs)

@@ -4,6 +4,7 @@ The GPU test runs the stage on the public shape set and asserts flashqla.testing
 output within TOLERANCE_FACTOR x the error of the same math in bf16 PyTorch, against float64.
 """
 
+import re
 import zlib
 
 import pytest
@@ -32,6 +33,21 @@ def test_compiles_for_hopper(stage):
     source = stage.module.kernel_source()
     for needle in stage.module.SOURCE_MUST_CONTAIN:
         assert needle in source, f"{stage.name}: generated CUDA lacks `{needle}`"
+
+
+@pytest.mark.parametrize("stage", TILELANG_STAGES, ids=lambda s: s.id)
+def test_register_budgets_move_the_right_way(stage):
+    """setmaxnreg.inc may only raise, and .dec only lower, the count each thread starts with
+    (65536 registers / the launch's threads, at most 255, a multiple of 8). The other way is an
+    illegal instruction on the GPU (s09's first draft allocated 112 to a role holding 128)."""
+    kernels = stage.module.kernel_source().split("__launch_bounds__(")[1:]
+    for kernel in kernels:
+        threads = int(re.match(r"\s*(\d+)", kernel).group(1))
+        start = min(255, 65536 // threads) // 8 * 8
+        for way, count in re.findall(r"warpgroup_reg_(alloc|dealloc)<(\d+)>", kernel):
+            assert (int(count) >= start) if way == "alloc" else (int(count) <= start), (
+                f"{stage.name}: warpgroup_reg_{way}<{count}> with {threads} threads, which start "
+                f"with {start} registers each")
 
 
 @pytest.fixture(scope="module")
