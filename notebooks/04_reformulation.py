@@ -1395,7 +1395,7 @@ for p, gain in kernel_gain.items():
 # most of what the preparation saves.
 #
 # The two gains are in different kernels, s04's in the preparation and s05's in the fused kernel, so
-# s07, which takes both, should gain about their sum over s03. It does (the next cell): 0.97-1.24x
+# s07, which takes both, should gain about their sum over s03. It does (the next cell): 1.00-1.20x
 # the sum, the most on (16, 32) 1 x 32768, where s04's own kernel lost most of its preparation's gain
 # to the chain's extra product; in s07's roles that product hides behind the output work, as s07
 # was built to do.
@@ -1406,6 +1406,9 @@ for p, t in table.items():
     g4, g5, g7 = t["s03"] - t["s04"], t["s03"] - t["s05"], t["s03"] - t["s07"]
     print(f"{short(p):22s} {g4:7.3f} ms {g5:7.3f} ms {g4 + g5:5.3f} ms {g7:7.3f} ms")
     assert g7 > 0.9 * (g4 + g5), (p, g4, g5, g7)
+over_sum = [(t["s03"] - t["s07"]) / (2 * t["s03"] - t["s04"] - t["s05"]) for t in table.values()]
+print(f"s07's gain over s03, in units of the sum: {min(over_sum):.2f}-{max(over_sum):.2f}x")
+assert 0.99 < min(over_sum) and max(over_sum) < 1.21
 
 # %% [markdown]
 # On a machine with a Hopper GPU, the next cell times s03, s04 and s05 again on one problem with the
@@ -1515,6 +1518,28 @@ assert max(stall_reasons(ncu[5]["stalls"]), key=stall_reasons(ncu[5]["stalls"]).
 # is near its peak, and a chunk takes 2.3-2.4 us against the 1.4 us of the chain alone. The timeline
 # of section 4, where the roles never slow each other down, cannot account for that extra 1 us;
 # what it leaves out, the roles sharing one SM, is where to look next.
+
+# s07's fused kernel on the same problem (`profiles/results/ncu_gdn_fwd_s07.csv`, profiled later,
+# another commit, the same card type):
+
+# %%
+with open(bench.RESULTS / "ncu_gdn_fwd_s07.csv", newline="") as f:
+    (ncu7,) = csv.DictReader(f)
+assert ncu7["problem"] == prob
+for field in ("us", "gflop", "tflops", "tensor_pct", "dram_mb", "dram_pct", "occupancy_pct", "smem_kb", "stalls"):
+    print(f"{field:14s} s05 {ncu[5][field]:>40s}   s07 {ncu7[field]:>40s}")
+per_chunk = {n: float(row["us"]) / chunks for n, row in ((5, ncu[5]), (7, ncu7))}
+print(f"per chunk (each CTA walks {chunks}): s05 {per_chunk[5]:.2f} us, s07 {per_chunk[7]:.2f} us")
+assert float(ncu7["us"]) > num(5, "us") and float(ncu7["dram_mb"]) < num(5, "dram_mb")
+assert max(stall_reasons(ncu7["stalls"]), key=stall_reasons(ncu7["stalls"]).get) == "long_scoreboard"
+
+# %% [markdown]
+# s07's kernel alone is slower than s05's (349 against 297 us, 2.7 against 2.3 us a chunk): it does
+# s04's extra work inside the chunk loop ($\Gamma \odot A_b$ in the scores warpgroup, $W$ and the
+# $\tilde V = (\Gamma \odot A_b) W$ product in the chain: 85.9 against 77.3 GFLOP) and reads
+# $A_b$ and $v$ instead of $w$ and $u$ (398 against 467 MB of DRAM traffic). The whole forward is
+# faster because the preparation it needs is cheaper (section 2). The kernel is as latency-bound as
+# s05's: `long_scoreboard` is still the top stall, the tensor pipe busy a quarter of the time.
 #
 # ## Summary
 #
@@ -1541,7 +1566,8 @@ assert max(stall_reasons(ncu[5]["stalls"]), key=stall_reasons(ncu[5]["stalls"]).
 #   a few percent. Nsight Compute: 1.63x on the same work, tensor pipe 18 -> 27 % busy, DRAM
 #   20 -> 33 % of peak, the barrier stalls gone, still latency-bound.
 # - s07 puts s04's math into s05's roles, with $\Gamma \odot A_b$ built by the scores warpgroup: its
-#   gain over s03 is the sum of s04's and s05's (0.97-1.24x), the fastest stage on all ten problems
-#   (2.05 ms on (16, 64) 1 x 32768, 4.3x the floor). FlashQLA remains faster on every problem here
-#   (1.52 ms there); the entry point does not run s07 yet, because AutoCP's warm-up reads $w$ and
-#   $u$.
+#   gain over s03 is the sum of s04's and s05's (1.00-1.20x), the fastest stage on all ten problems
+#   (2.06 ms on (16, 64) 1 x 32768). Its kernel alone is slower than s05's (Nsight Compute: 349
+#   against 297 us on (16, 64) 1 x 8192) and as latency-bound. The entry point now runs s07's
+#   kernel (promoted through s08, with AutoCP) after a lighter preparation: 1.95 ms there, 4.0x the
+#   floor. FlashQLA remains faster on every problem here (1.53 ms there).
