@@ -54,6 +54,8 @@ MIN_SEGMENTS = 3           # fewest segments of an automatic split: two lost (se
 MIN_SAVED_CHUNKS = 40      # fixed device cost of the plan and the chaining, in chunk steps of the
                            # fused kernel: ~0.13 ms against ~3.6 us a step (H200, s03, measured in
                            # profiles/autocp_lab.py); CP must save more chunk steps than that
+WARMUP_STEPS = 2           # phase 1's cost per chunk of a segment, in chunk steps of the fused
+                           # kernel (s07's, the promoted chain); fitted in segment_chunks' docstring
 CHUNK_SIZE = 64
 
 
@@ -67,15 +69,27 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     sequence), and they all run in one wave when lanes (chunks / L + num_seqs) <= SMs: L is the
     smallest such length, but at least MIN_SEGMENT_CHUNKS and 1 / MAX_SEGMENTS of the longest
     sequence, then evened out over the J segments of the longest sequence. Cost model, in chunk
-    steps of the fused kernel: phase 3 takes L, phase 1 at most L steps of a chain without the
-    output, about half as long each (s03: 1.7 against 3.6 us a chunk), plus a fixed cost of
-    MIN_SAVED_CHUNKS; without CP, the longest sequence's chunks. Automatic (``force`` None):
-    split when J >= MIN_SEGMENTS = 3 and longest - 1.5 L >= MIN_SAVED_CHUNKS. Two segments at
-    best take 1.5 / 2 of the chain and lose in practice: on (16, 32) 1 x 32768 (H200, s05's kernel
-    as the chain, ``profiles/results/gdn_fwd.csv`` at commit 9ef1cd8) 2 segments took 2.46 ms
-    against 2.12 without CP, as the g = 0 heads' phase 1 walks a whole segment with K extra state
-    columns (the transition M). ``force``: False never splits, True splits with this L even when J = 1, an
-    int is L itself. (Eager calls add about 1.4 ms of host time that this does not count.)
+    steps of the fused kernel: phase 3 takes L, phase 1 WARMUP_STEPS L (the g = 0 heads' window is
+    the whole previous segment, walked with K extra state columns, the transition M, after
+    chunk_fwd_intra's w and u), plus a fixed cost of MIN_SAVED_CHUNKS; without CP, the longest
+    sequence's chunks. Automatic (``force`` None): split when J >= MIN_SEGMENTS = 3 and
+    longest - (1 + WARMUP_STEPS) L >= MIN_SAVED_CHUNKS.
+
+    The constants, from the committed runs (H200, CUDA-graph replay; the bench's heads include
+    g = 0 heads, so phase 1 is at its longest). ``profiles/results/autocp.csv``, (2, 8), s03's
+    kernel as the chain: s03 alone takes 0.20 ms + 4.03 us a chunk, s06 with L = 16, 32, 64, 128
+    takes 0.20 ms + (2.2 L + 33 to 47) steps, so phase 1 costs 1.2 steps of s03's chain a chunk
+    and the fixed cost is about 40 steps. s07's chain takes a step in 1 / 1.77 of s03's time
+    (``gdn_fwd.csv``, (16, 64) 1 x 32768), so phase 1, the same kernel, costs about 2 of its steps.
+    Every split the committed runs timed agrees with this rule: on (16, 16) s08 (s07's chain)
+    against s07 gained 1.04x on 1 x 32768, which it splits, and lost 0.81x on 1 x 8192 and on
+    28672 + 4096, which it no longer splits (nor does it those on s05's chain, where s06 lost
+    0.85x and 0.94x; it gained 1.15x on 1 x 32768); autocp.csv's forced splits on (2, 8) won from
+    4096 tokens and lost at 2048 (tests/test_autocp.py checks all of them against the CSVs). Two
+    segments lose: on (16, 32) 1 x 32768 (s05's chain, ``gdn_fwd.csv`` at commit 9ef1cd8) they took
+    2.46 ms against 2.12 without CP. ``force``: False never splits, True splits with this L even
+    when J = 1, an int is L itself. (Eager calls add about 1.4 ms of host time that this does not
+    count.)
     """
     if force is False or num_tokens == 0:
         return 0
@@ -91,7 +105,7 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     L = max(MIN_SEGMENT_CHUNKS, -(-longest // MAX_SEGMENTS), fit)
     J = -(-longest // L)
     L = -(-longest // J)                               # J segments of (nearly) equal length
-    if force is None and (J < MIN_SEGMENTS or 2 * longest - 3 * L < 2 * MIN_SAVED_CHUNKS):
+    if force is None and (J < MIN_SEGMENTS or longest - (1 + WARMUP_STEPS) * L < MIN_SAVED_CHUNKS):
         return 0
     return L
 

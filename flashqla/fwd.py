@@ -27,8 +27,8 @@ each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/
                                                                   graph (measured with s03's kernel
                                                                   as the chain); with s07's (s08)
                                                                   1.04x on (16, 16) 1 x 32768, 0.81x
-                                                                  on (16, 16) 1 x 8192: the plan
-                                                                  splits too eagerly for s07's chain
+                                                                  on (16, 16) 1 x 8192, which the
+                                                                  rule no longer splits
     gdn_fwd.s07 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one

@@ -226,8 +226,10 @@ print("\n(segments per sequence x chunks per segment, 132 SMs, 2 CTAs per (segme
 # as many segments as one wave of CTAs holds. The diagram below draws, for a few configurations,
 # which SM works on what: without CP (left) each CTA walks its whole sequence; with the planner's
 # segments (right) the same work is cut into segments of $L$ chunks. Phase 1 (the warm-up windows,
-# and the whole previous segment for the exact heads, about half the cost per chunk of the fused
-# kernel) is drawn before phase 3; the chaining between them is a few small matmuls.
+# and the whole previous segment for the exact heads, with $K$ extra state columns: about
+# `autocp.WARMUP_STEPS` = 2 steps of s07's fused kernel per chunk, fitted to the measured runs in
+# the rule's docstring above) is drawn before phase 3; the chaining between them is a few small
+# matmuls.
 
 # %%
 def fill(ax, lengths, HV, L, sms=132):
@@ -243,8 +245,8 @@ def fill(ax, lengths, HV, L, sms=132):
         segments = list(zip(cu.tolist(), cu.tolist()[1:]))
     later = [s for s, _ in segments if s not in starts]      # segments with a phase 1
     # phase 1: the exact heads (a quarter) walk the previous segment, Z and M, 4 CTAs a head,
-    # at about half the cost per chunk of the fused kernel; decaying heads need 1-2 chunks
-    t3 = 0.5 * L if later else 0
+    # at WARMUP_STEPS fused-kernel steps per chunk; decaying heads need 1-2 chunks
+    t3 = autocp.WARMUP_STEPS * L if later else 0
     for i in range(len(later) * HV):
         ax.add_patch(Rectangle((0, i % sms), t3, 0.9, color="tab:orange", alpha=0.7, lw=0))
     free_at = [t3] * sms
@@ -349,6 +351,7 @@ if csv_path.exists():
             rule = f"{-(-t // (C * L))} x {L}" if L else "off"
             print(f"{hd:9} {t:6d} {ms['s03']:8.3f} {ms['s06 forced on']:8.3f} "
                   f"{ms['s03'] / ms['s06 forced on']:7.2f}x  {rule:>10}")
+            assert bool(L) == (ms["s03"] > ms["s06 forced on"]), (hd, t)  # splits where it won
 else:
     print("No profiles/results/autocp.csv yet: run profiles/autocp_lab.py on the GPU machine.")
 
@@ -360,3 +363,4 @@ else:
 # plan and the chaining add about 1.4 ms of host time (about 45 small launches), so CP pays only
 # for long sequences; captured in a graph, which the device-side plan allows, it pays from about
 # 4096 tokens, and the rule asks for a saving of at least 40 chunk steps, the measured fixed cost.
+# The "rule now" column is the rule as it stands: it splits exactly where these forced splits won.

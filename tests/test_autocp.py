@@ -1,7 +1,8 @@
 """AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06 and
 s08 on the GPU.
 
-CPU: the decision rule, the segment table (every token in exactly one segment), each segment's
+CPU: the decision rule (and every split the committed benchmark runs timed: the rule splits where
+it won), the segment table (every token in exactly one segment), each segment's
 first chunk row, the warm-up counts against a brute-force count, the device-side fallback where
 the bound's conditions fail, the chaining of phase 2 against a loop, the reference's exact
 chaining against the recurrence, and the bound itself in float64
@@ -12,12 +13,13 @@ capture and replay of the whole forward.
 """
 
 import concurrent.futures
+import csv
 import math
 
 import pytest
 import torch
 
-from flashqla import autocp
+from flashqla import autocp, bench
 from flashqla import reference as ref
 from flashqla.varlen import chunk_table
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
@@ -47,8 +49,9 @@ def test_decision_rule():
     assert rule(65536, 1, 65536, 16, 132, 2) == 256                 # 4 segments x 32 CTAs
     assert rule(256, 1, 256, 8, 132, 2) == 0                        # 4 chunks: shorter than L
     assert rule(8 * 32768, 8, 32768, 8, 132, 2) == 0                # 8 x 16 CTAs: SMs busy enough
-    assert rule(2048, 1, 2048, 8, 132, 2) == 0                      # 4 x 8: saves 20 chunk steps < 40
-    assert rule(4096, 1, 4096, 8, 132, 2) == 8                      # 8 x 8: saves 52
+    assert rule(2048, 1, 2048, 8, 132, 2) == 0                      # 4 x 8: saves 8 chunk steps < 40
+    assert rule(4096, 1, 4096, 8, 132, 2) == 8                      # 8 x 8: saves 40
+    assert rule(8192, 1, 8192, 16, 132, 2) == 0                     # 4 x 32: saves 32 < 40
     # forced
     assert rule(32768, 1, 32768, 8, 132, 2, force=False) == 0
     assert rule(32768, 1, 32768, 64, 132, 2, force=True) == 512     # on, but one segment: no gain
@@ -56,6 +59,41 @@ def test_decision_rule():
     assert rule(256, 1, 256, 8, 132, 2, force=3) == 3
     with pytest.raises(ValueError, match="force"):
         rule(256, 1, 256, 8, 132, 2, force=0)
+
+
+def measured_splits():
+    """(what, rule's arguments, speed-up of the split) for every split a committed run timed:
+    gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07) where they differ by
+    more than 2 % (the run split there), and autocp.csv's forced splits against s03."""
+    out = []
+    rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
+    ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in rows if r["ms"]}
+    for label in dict.fromkeys(r["problem"] for r in rows):
+        hv = int(label.split(")")[0].split(",")[1])
+        mix = label.split(") ")[1].split(" ")[0]
+        lengths = ([int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix
+                   else [int(n) for n in mix.split("+")])
+        args = (sum(lengths), len(lengths), sum(lengths), hv)            # varlen: the bound T
+        for cp, chain in (("s06", "s05"), ("s08", "s07")):
+            if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.02:
+                out.append((f"{label} {cp}", args, ms[label, chain] / ms[label, cp]))
+    rows = list(csv.DictReader(open(bench.RESULTS / "autocp.csv", newline="")))
+    for r in rows:
+        if r["impl"] == "s06 forced on" and int(r["segments"]) > 1:
+            base = next(b for b in rows if b["impl"] == "s03" and b["heads"] == r["heads"]
+                        and b["tokens"] == r["tokens"])
+            t = int(r["tokens"])
+            out.append((f"{r['heads']} 1x{t} s06 forced", (t, 1, t, int(r["HV"])),
+                        float(base["ms_graph"]) / float(r["ms_graph"])))
+    return out
+
+
+def test_decision_rule_splits_where_the_measured_splits_won():
+    cases = measured_splits()
+    assert len(cases) >= 8, cases
+    for what, args, speedup in cases:
+        splits = autocp.segment_chunks(*args, 132, 2) > 0
+        assert splits == (speedup > 1), (what, args, f"{speedup:.2f}x", "split" if splits else "no split")
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 32])

@@ -37,7 +37,9 @@ the sequences whole (27 of the 30) it is s07 within 1%. It splits three (16, 16)
 1 x 32768 (1.617 ms against 1.683), but 0.81x on 1 x 8192 (0.681 against 0.549) and on 28672 + 4096
 (1.827 against 1.481). The split path adds chunk_fwd_intra and s06's warm-up kernel, which runs
 s03's chain math, slower per chunk than s07's kernel: the plan's cost model (``flashqla.autocp``)
-was set with s05's chain and splits too eagerly for s07's. The library runs this path; it is
+was set with s05's chain and split too eagerly for s07's. It now counts phase 1 at
+``autocp.WARMUP_STEPS`` = 2 steps of s07's kernel a chunk, fitted to these runs and autocp.csv's,
+and no longer splits those two problems (not yet timed with the new rule). The library runs this path; it is
 0.57-1.91x FLA and 0.37-1.17x FlashQLA there (geomean 1.18x and 0.63x), 1.04-1.55x this stage
 (the stage builds its varlen tables in each of its sub-calls).
 
