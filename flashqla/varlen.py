@@ -14,19 +14,26 @@ would break CUDA-graph capture), so for varlen NT is the bound floor(T / C) + N 
 adds at most one partial chunk) and the rows past the real chunks are empty, [T, T): a CTA given
 one loads nothing and stores nothing. Without cu_seqlens NT = B ceil(T / C) exactly.
 
-Building the table takes about 20 small launches (~0.3 ms of host time), so the last table is
-kept and returned again while the same ``cu_seqlens`` tensor, unmodified, comes back (every GDN
-layer of a model step passes the same one), as FLA does with its chunk indices. A table that
-came from the cache launches nothing. Inside CUDA-graph capture the table is always built anew, in
-the graph: a graph must own the memory it reads, and a cached table is freed when a later call
-replaces it.
+On a GPU one small TileLang kernel builds the table (``TABLE_THREADS`` threads in one CTA: a scan of
+the sequences' chunk counts, then a binary search per row); on the CPU the same table comes from
+PyTorch ops (``_build_chunk_table_torch``, also the kernel's test oracle), about 20 of them, which
+on a GPU would be 20 launches. The last table is kept and returned again while the same
+``cu_seqlens`` tensor, unmodified, comes back (every GDN layer of a model step passes the same
+one), as FLA does with its chunk indices. A table that came from the cache launches nothing.
+Inside CUDA-graph capture the table is always built anew, in the graph: a graph must own the
+memory it reads, a cached table is freed when a later call replaces it, and a graph replayed
+after ``cu_seqlens`` was edited in place must read the new lengths. That is one launch in the
+graph, where the PyTorch ops were about 20 (each a few microseconds of a replay).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
+
+TABLE_THREADS = 1024  # the table kernel's one CTA
 
 
 def seq_bounds(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
@@ -69,6 +76,101 @@ def chunk_table(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_
 
 
 def _build_chunk_table(cu_seqlens, batch, seqlen, chunk_size, device):
+    from flashqla.hopper import hopper_gpu_missing
+
+    if torch.device(device).type != "cuda" or hopper_gpu_missing() is not None:
+        return _build_chunk_table_torch(cu_seqlens, batch, seqlen, chunk_size, device)
+    bounds = seq_bounds(cu_seqlens, batch, seqlen, device)
+    table = torch.empty(num_chunk_rows(cu_seqlens, batch, seqlen, chunk_size), 2, dtype=torch.int32,
+                        device=device)
+    first_chunk = torch.empty(bounds.shape[0], dtype=torch.int32, device=device)
+    _table_compiled(chunk_size)(bounds, batch * seqlen, table, first_chunk)
+    return table, first_chunk
+
+
+def _table_kernel(chunk_size: int):
+    """The T.prim_func: seq_bounds int32 [N + 1] and the token total -> table int32 [NT, 2],
+    first_chunk int32 [N + 1] (any N, NT), as ``_build_chunk_table_torch`` computes them."""
+    import tilelang.language as T  # imported here: importing flashqla must not pull in TileLang
+
+    C, P = chunk_size, TABLE_THREADS
+    num_bounds = T.dynamic("num_bounds")
+    num_rows = T.dynamic("num_rows")
+
+    @T.prim_func
+    def chunk_table_build(
+        bounds: T.Tensor((num_bounds,), "int32"),
+        total: T.int32,                                        # rows past the real chunks: [total, total)
+        table: T.Tensor((num_rows, 2), "int32"),
+        first_chunk: T.Tensor((num_bounds,), "int32"),
+    ):
+        with T.Kernel(1, threads=P):
+            tx = T.get_thread_binding()
+            n_seqs = num_bounds - 1
+            per = T.ceildiv(n_seqs, P)                         # sequences [tx per, (tx + 1) per) are tx's
+            scan_s = T.alloc_shared((P,), "int32")
+            mine = T.alloc_local((1,), "int32")
+            step = T.alloc_local((1,), "int32")
+            lo = T.alloc_local((1,), "int32")
+            hi = T.alloc_local((1,), "int32")
+            # mine <- the chunks of this thread's sequences, ceil(length / C) each
+            mine[0] = 0
+            for i in T.serial(per):
+                if tx * per + i < n_seqs:
+                    mine[0] = mine[0] + T.ceildiv(bounds[tx * per + i + 1] - bounds[tx * per + i], C)
+            # scan_s <- inclusive prefix sums of mine over the threads (Hillis-Steele, log2 P steps)
+            scan_s[tx] = mine[0]
+            for d in [1 << e for e in range(P.bit_length() - 1)]:  # a Python loop: unrolled
+                T.sync_threads()
+                step[0] = scan_s[tx] + T.if_then_else(tx >= d, scan_s[T.max(tx - d, 0)], 0)
+                T.sync_threads()
+                scan_s[tx] = step[0]
+            T.sync_threads()
+            # first_chunk[j] <- chunks before sequence j; first_chunk[N] <- all of them
+            mine[0] = scan_s[tx] - mine[0]
+            for i in T.serial(per):
+                if tx * per + i < n_seqs:
+                    first_chunk[tx * per + i] = mine[0]
+                    mine[0] = mine[0] + T.ceildiv(bounds[tx * per + i + 1] - bounds[tx * per + i], C)
+            if tx == P - 1:
+                first_chunk[n_seqs] = scan_s[P - 1]
+            T.sync_threads()
+            # row r: its sequence (how many of first_chunk[1 .. N] are <= r: a binary search), then
+            # [start, end) of its chunk there, or [total, total) past the real chunks
+            for it in T.serial(T.ceildiv(num_rows, P)):
+                if it * P + tx < num_rows:
+                    lo[0] = 0
+                    hi[0] = n_seqs
+                    for _ in T.serial(32):
+                        if lo[0] < hi[0]:
+                            if first_chunk[(lo[0] + hi[0]) // 2 + 1] <= it * P + tx:
+                                lo[0] = (lo[0] + hi[0]) // 2 + 1
+                            else:
+                                hi[0] = (lo[0] + hi[0]) // 2
+                    if lo[0] < n_seqs:
+                        table[it * P + tx, 0] = bounds[lo[0]] + (it * P + tx - first_chunk[lo[0]]) * C
+                        table[it * P + tx, 1] = T.min(
+                            bounds[lo[0]] + (it * P + tx - first_chunk[lo[0]] + 1) * C, bounds[lo[0] + 1])
+                    else:
+                        table[it * P + tx, 0] = total
+                        table[it * P + tx, 1] = total
+
+    return chunk_table_build
+
+
+@functools.cache
+def _table_compiled(chunk_size: int):
+    from flashqla.hopper import compile_hopper
+
+    return compile_hopper(_table_kernel(chunk_size))
+
+
+def table_kernel_source(chunk_size: int = 64) -> str:
+    """The CUDA C++ generated for the table kernel (sm_90a; no GPU needed)."""
+    return _table_compiled(chunk_size).get_kernel_source()
+
+
+def _build_chunk_table_torch(cu_seqlens, batch, seqlen, chunk_size, device):
     bounds = seq_bounds(cu_seqlens, batch, seqlen, device).long()
     total = batch * seqlen
     n_seqs = bounds.shape[0] - 1

@@ -1,8 +1,10 @@
-"""flashqla.varlen: the chunk table the kernels read, against a plain Python walk over the sequences."""
+"""flashqla.varlen: the chunk table the kernels read, against a plain Python walk over the sequences;
+on the GPU, the table kernel against the PyTorch table."""
 
 import pytest
 import torch
 
+from flashqla import varlen
 from flashqla.varlen import chunk_table, seq_bounds
 
 
@@ -47,3 +49,39 @@ def test_cache_follows_the_tensor_and_its_edits():
     assert chunk_table(cu, 1, 100, 64, torch.device("cpu"))[0][:2].tolist() == [[0, 64], [64, 70]]
     other = chunk_table(cu.clone(), 1, 100, 64, torch.device("cpu"))
     assert other is not first
+
+
+def test_table_kernel_compiles_for_hopper():
+    source = varlen.table_kernel_source()
+    for needle in ("chunk_table_build_kernel", "__syncthreads", "first_chunk", "table"):
+        assert needle in source, needle
+
+
+def cases_for_the_kernel():
+    """Bounds of varlen batches: empty sequences, lengths around C, more sequences than the
+    kernel's threads (a thread sums several) and more rows than its threads (several passes)."""
+    gen = torch.Generator().manual_seed(0)
+    choices = torch.tensor([0, 1, 63, 64, 65, 200, 4096])
+    cases = [(1, 200, 777, 64, 130), (0, 64, 0, 65), (5,), (), (0, 0), (70000,)]
+    for n in (3, 17, 1500, 3000):
+        cases.append(tuple(choices[torch.randint(0, 7, (n,), generator=gen)].tolist()))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("lengths", cases_for_the_kernel(), ids=lambda ls: f"{len(ls)} seqs, {sum(ls)} tokens")
+def test_table_kernel_matches_the_torch_table(lengths):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    args = (cu, 1, bounds[-1], 64, cu.device)
+    table, first = varlen._build_chunk_table(*args)       # the kernel on a Hopper GPU
+    want_table, want_first = varlen._build_chunk_table_torch(*args)
+    assert torch.equal(table, want_table) and torch.equal(first, want_first), lengths
+    # and an equal-length batch, whose table is exact
+    for B, T in ((3, 100), (2, 4096 * 9 + 1)):
+        got = varlen._build_chunk_table(None, B, T, 64, cu.device)
+        want = varlen._build_chunk_table_torch(None, B, T, 64, cu.device)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, T)
