@@ -1276,14 +1276,6 @@ print(f"{CSV_PATH.relative_to(ROOT)}: {rows[0]['gpu']}, commits "
       f"{', '.join(sorted({r['commit'] for r in rows}))}, {rows[0]['date']}; {', '.join(sorted(methods))}")
 
 
-def lengths_of(label):
-    """(HV, [sequence lengths]) of a benchmark problem, from its label '(H, HV) lengths'."""
-    hv = int(re.match(r"\((\d+), (\d+)\)", label).group(2))
-    seqs = label.split(") ", 1)[1].split(" ")[0]
-    lengths = ([int(x) for x in seqs.split("+")] if "+" in seqs
-               else [int(seqs.split("x")[1])] * int(seqs.split("x")[0]))
-    return hv, lengths
-
 
 S06_ROW = "gdn_fwd/" + Path(load("gdn_fwd", 6).__file__).stem
 
@@ -1350,7 +1342,7 @@ fig.tight_layout()
 # %%
 def pairs_of(label):
     """(chunk, value head) pairs of a benchmark problem."""
-    hv, lengths = lengths_of(label)
+    _, hv, lengths = bench.heads_and_lengths(label)
     return sum(-(-n // CC) for n in lengths) * hv
 
 

@@ -376,10 +376,7 @@ fwd_ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in 
 print(f"{'problem':22s} {'stage':>5s} {'chain alone':>11s} {'with CP':>8s} {'speed-up':>8s}  {'rule now':>9s}")
 agree = []
 for label in dict.fromkeys(r["problem"] for r in fwd_rows):
-    hv = int(label.split(")")[0].split(",")[1])
-    mix = label.split(") ")[1]
-    lens = ([int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix
-            else [int(n) for n in mix.split("+")])
+    _, hv, lens = bench.heads_and_lengths(label)
     L = autocp.segment_chunks(sum(lens), len(lens), sum(lens), hv, 132, 2)   # varlen: the bound T
     for cp, chain in (("s06", "s05"), ("s08", "s07")):
         alone, split = fwd_ms[label, chain], fwd_ms[label, cp]
