@@ -467,6 +467,16 @@ def short_label(label: str) -> str:
     return re.sub(r"\b(\d+)(\+\1)+\b", lambda m: f"{m.group(0).count('+') + 1}x{m.group(1)}", label)
 
 
+def heads_and_lengths(label: str) -> tuple[int, int, list[int]]:
+    """'(16, 32) 28672+4096' -> (16, 32, [28672, 4096]); '(2, 8) 1x2048' -> (2, 8, [2048])."""
+    m = re.match(r"\((\d+), (\d+)\) (\d+)x(\d+)\b|\((\d+), (\d+)\) ([\d+]+)", label)
+    if m is None:
+        raise ValueError(f"bench: `label` must look like '(H, HV) NxT' or '(H, HV) T1+T2+...'; got {label!r}")
+    if m.group(1):
+        return int(m.group(1)), int(m.group(2)), [int(m.group(4))] * int(m.group(3))
+    return int(m.group(5)), int(m.group(6)), [int(n) for n in m.group(7).split("+")]
+
+
 def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:
     """The CSV after a run over some problems: their old rows replaced, other problems' rows kept."""
     done = {r["problem"] for r in new}

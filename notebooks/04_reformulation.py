@@ -1276,14 +1276,6 @@ print(f"{CSV_PATH.relative_to(ROOT)}: {rows[0]['gpu']}, commits "
       f"{', '.join(sorted({r['commit'] for r in rows}))}, {rows[0]['date']}; {', '.join(sorted(methods))}")
 
 
-def lengths_of(label):
-    """(HV, [sequence lengths]) of a benchmark problem, from its label '(H, HV) lengths'."""
-    hv = int(re.match(r"\((\d+), (\d+)\)", label).group(2))
-    seqs = label.split(") ", 1)[1].split(" ")[0]
-    lengths = ([int(x) for x in seqs.split("+")] if "+" in seqs
-               else [int(seqs.split("x")[1])] * int(seqs.split("x")[0]))
-    return hv, lengths
-
 
 S06_ROW = "gdn_fwd/" + Path(load("gdn_fwd", 6).__file__).stem
 
@@ -1350,7 +1342,7 @@ fig.tight_layout()
 # %%
 def pairs_of(label):
     """(chunk, value head) pairs of a benchmark problem."""
-    hv, lengths = lengths_of(label)
+    _, hv, lengths = bench.heads_and_lengths(label)
     return sum(-(-n // CC) for n in lengths) * hv
 
 
@@ -1541,6 +1533,31 @@ assert max(stall_reasons(ncu7["stalls"]), key=stall_reasons(ncu7["stalls"]).get)
 # faster because the preparation it needs is cheaper (section 2). The kernel is as latency-bound as
 # s05's: `long_scoreboard` is still the top stall, the tensor pipe busy a quarter of the time.
 #
+# ### A step back: `gdn_fwd.s09`, $u$ and $w$ on chip
+#
+# s07's chain still runs three dependent products a chunk ($U = K S$, then $\tilde V = W_Y W$, then
+# the update). s09 tries to give it s05's two: the scores warpgroup forms $u = W_Y V$ and
+# $w = (W_Y D) K$ on chip (no HBM, unlike s03's `chunk_fwd_intra`), hands them over through
+# `bar_wu_ready/free`, and the chain computes $\tilde V = u - w S$. The price is in the scores
+# warpgroup: two more products and $W_Y D$ built in registers every chunk. Its docstring's first
+# paragraph, then what the benchmark measured beside s07:
+
+# %%
+s09 = load("gdn_fwd", 9)
+print(s09.__doc__.split("\n\n")[0])
+S09_ROW = "gdn_fwd/" + Path(s09.__file__).stem
+ratio09 = {p: ms_of[p, COLS["s07"]] / ms_of[p, S09_ROW] for p in problems}
+for p, x in ratio09.items():
+    print(f"{short(p):22s} s07 {ms_of[p, COLS['s07']]:6.3f} ms   s09 {ms_of[p, S09_ROW]:6.3f} ms   {x:.2f}x")
+assert all(0.55 < x < 0.8 for x in ratio09.values())          # slower everywhere: 0.6-0.8x
+
+# %% [markdown]
+# s09 is slower on every problem, 0.6-0.8x s07: shortening the chain moved the critical path to
+# the scores warpgroup, which now runs four products and the $W_Y D$ build per chunk (about 1700
+# SASS instructions in its loop, with 64 divergent-branch regions, against the chain's 800), and
+# the chain waits on `bar_wu_ready`. In a warp-specialized kernel the slowest role sets the pace;
+# the next stage has to make the chain leaner without loading another role.
+#
 # ## Summary
 #
 # - The decay is a diagonal similarity, $A = D L D^{-1}$, so $(I + A)^{-1} = \Gamma \odot (I + L)^{-1}$:
@@ -1571,3 +1588,5 @@ assert max(stall_reasons(ncu7["stalls"]), key=stall_reasons(ncu7["stalls"]).get)
 #   against 297 us on (16, 64) 1 x 8192) and as latency-bound. The entry point now runs s07's
 #   kernel (promoted through s08, with AutoCP) after a lighter preparation: 1.95 ms there, 4.0x the
 #   floor. FlashQLA remains faster on every problem here (1.53 ms there).
+# - s09 forms $u$ and $w$ on chip to give the chain s05's two products, and is 0.6-0.8x s07: the
+#   scores warpgroup, now the slowest role, sets the pace.

@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Rectangle
 
-from flashqla import autocp, reference
+from flashqla import autocp, bench, reference
 from flashqla.stages import KERNELS_DIR, load
 from flashqla.testing import PUBLIC_HEADS, Problem, cast_floats, rel_l2
 
@@ -364,3 +364,32 @@ else:
 # for long sequences; captured in a graph, which the device-side plan allows, it pays from about
 # 4096 tokens, and the rule asks for a saving of at least 40 chunk steps, the measured fixed cost.
 # The "rule now" column is the rule as it stands: it splits exactly where these forced splits won.
+#
+# The forward benchmark (`profiles/results/gdn_fwd.csv`, all rows of a problem in one process)
+# times each AutoCP stage beside its chain alone: s06 beside s05, s08 beside s07. Where the two
+# differ by more than 2 %, the run split. Those rows, the rule's decision now, and whether it
+# agrees with what the split measured:
+
+# %%
+fwd_rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
+fwd_ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in fwd_rows if r["ms"]}
+print(f"{'problem':22s} {'stage':>5s} {'chain alone':>11s} {'with CP':>8s} {'speed-up':>8s}  {'rule now':>9s}")
+agree = []
+for label in dict.fromkeys(r["problem"] for r in fwd_rows):
+    _, hv, lens = bench.heads_and_lengths(label)
+    L = autocp.segment_chunks(sum(lens), len(lens), sum(lens), hv, 132, 2)   # varlen: the bound T
+    for cp, chain in (("s06", "s05"), ("s08", "s07")):
+        alone, split = fwd_ms[label, chain], fwd_ms[label, cp]
+        if abs(alone / split - 1) > 0.02:
+            print(f"{bench.short_label(label):22s} {cp:>5s} {alone:9.3f} ms {split:6.3f} ms "
+                  f"{alone / split:7.2f}x  {'L = ' + str(L) if L else 'off':>9s}")
+            agree.append(bool(L) == (alone > split))
+assert agree and all(agree)
+
+# %% [markdown]
+# With s07's faster chain, the fixed part of a split (the plan, `chunk_fwd_intra`'s $w$ and $u$, the
+# warm-up of the exact heads over a whole segment with $K$ extra state columns) weighs more: s08
+# lost 19 % on (16, 16) 1 x 8192 and on 28672 + 4096, and gained 4 % on 1 x 32768, where s06 had
+# gained 15 % over s05. The rule's cost of phase 1, `autocp.WARMUP_STEPS` = 2 fused-kernel steps a
+# chunk, is fitted to these runs and to the (2, 8) runs above; with it the rule keeps those two
+# problems whole (not yet timed that way) and still splits the long ones.

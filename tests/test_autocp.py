@@ -69,10 +69,7 @@ def measured_splits():
     rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
     ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in rows if r["ms"]}
     for label in dict.fromkeys(r["problem"] for r in rows):
-        hv = int(label.split(")")[0].split(",")[1])
-        mix = label.split(") ")[1].split(" ")[0]
-        lengths = ([int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix
-                   else [int(n) for n in mix.split("+")])
+        _, hv, lengths = bench.heads_and_lengths(label)
         args = (sum(lengths), len(lengths), sum(lengths), hv)            # varlen: the bound T
         for cp, chain in (("s06", "s05"), ("s08", "s07")):
             if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.02:

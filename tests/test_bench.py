@@ -63,3 +63,10 @@ def test_a_lost_device_stops_the_run_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lost)
     with pytest.raises(RuntimeError, match=r"context is lost after `FLA` on \(2, 8\) 1x2048.*--heads"):
         bench._stop_if_device_lost("FLA", "(2, 8) 1x2048")
+
+
+def test_heads_and_lengths_reads_every_problem_label():
+    for p in bench.PROBLEMS + list(bench.TRAINING.problems):
+        assert bench.heads_and_lengths(p.label) == (p.H, p.HV, list(p.lengths)), p.label
+    with pytest.raises(ValueError, match="label"):
+        bench.heads_and_lengths("16, 32 4096")
