@@ -1,5 +1,9 @@
 """The benchmark's napkin math and its committed results: the README table is the CSV's."""
 
+import os
+import sys
+import types
+
 import pytest
 
 from flashqla import bench
@@ -70,3 +74,18 @@ def test_heads_and_lengths_reads_every_problem_label():
         assert bench.heads_and_lengths(p.label) == (p.H, p.HV, list(p.lengths)), p.label
     with pytest.raises(ValueError, match="label"):
         bench.heads_and_lengths("16, 32 4096")
+
+
+def test_fla_keeps_the_chunk_indices_of_every_input_set(monkeypatch):
+    monkeypatch.delenv("FLA_TENSOR_CACHE_SIZE", raising=False)
+    monkeypatch.delitem(sys.modules, "fla.utils.env", raising=False)
+    bench.keep_fla_chunk_indices(11)
+    assert os.environ["FLA_TENSOR_CACHE_SIZE"] == "11"
+    bench.keep_fla_chunk_indices(3)                          # never lowered
+    assert os.environ["FLA_TENSOR_CACHE_SIZE"] == "11"
+    # FLA imported already with a smaller queue: too late to fix, and said so
+    monkeypatch.setitem(sys.modules, "fla.utils.env", types.SimpleNamespace(FLA_TENSOR_CACHE_SIZE=4))
+    with pytest.raises(RuntimeError, match="FLA_TENSOR_CACHE_SIZE"):
+        bench.keep_fla_chunk_indices(11)
+    # the bench's problems: the most input sets of any (an H200's 60 MB of L2 as example)
+    assert max(bench.num_input_sets(p, 60 * 2**20) for p in bench.PROBLEMS) > 4
