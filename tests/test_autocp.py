@@ -13,7 +13,6 @@ capture and replay of the whole forward.
 """
 
 import concurrent.futures
-import csv
 import math
 
 import pytest
@@ -66,15 +65,11 @@ def measured_splits():
     gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07) where they differ by
     more than 2 % (the run split there), and autocp.csv's forced splits against s03."""
     out = []
-    rows = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
-    ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in rows if r["ms"]}
-    for label in dict.fromkeys(r["problem"] for r in rows):
+    for label, cp, alone, split in bench.autocp_splits_timed(bench.read_csv(bench.RESULTS / "gdn_fwd.csv")):
         _, hv, lengths = bench.heads_and_lengths(label)
         args = (sum(lengths), len(lengths), sum(lengths), hv)            # varlen: the bound T
-        for cp, chain in (("s06", "s05"), ("s08", "s07")):
-            if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.02:
-                out.append((f"{label} {cp}", args, ms[label, chain] / ms[label, cp]))
-    rows = list(csv.DictReader(open(bench.RESULTS / "autocp.csv", newline="")))
+        out.append((f"{label} {cp}", args, alone / split))
+    rows = bench.read_csv(bench.RESULTS / "autocp.csv")
     for r in rows:
         if r["impl"] == "s06 forced on" and int(r["segments"]) > 1:
             base = next(b for b in rows if b["impl"] == "s03" and b["heads"] == r["heads"]
