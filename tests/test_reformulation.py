@@ -94,11 +94,12 @@ def test_s04_on_adversarial_inputs(kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound():
+@pytest.mark.parametrize("solve_stage", [1, 2], ids=["s01", "s02"])
+def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound(solve_stage):
     x = adversarial_inputs("unnormalized_keys")
     k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
     g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
-    _, gated = stages.load("gate_free_solve", 1).solve(k, beta, g_cum, cu)
+    _, gated = stages.load("gate_free_solve", solve_stage).solve(k, beta, g_cum, cu)
     bounds, _ = chunk_table(cu, 1, k.shape[1], C, k.device)
     growth = beta * R.expand_heads(k.float().pow(2).sum(-1, keepdim=True), beta.shape[2])[..., 0]
     want = torch.stack([(growth[0, s:e] > 2).any(0) for s, e in bounds.tolist()]).int()
