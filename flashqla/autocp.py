@@ -33,7 +33,7 @@ one batched matmul over contiguous memory; slots past a sequence's last segment 
 Segments start on chunk boundaries of their sequence (all but a sequence's last have L x 64
 tokens), so a segment's chunks are consecutive rows of ``flashqla.varlen.chunk_table`` for the
 whole sequences: ``first_chunk`` gives the first, for kernels that read per-chunk data computed
-before the split (gdn_fwd.s07's ``gated`` flags).
+before the split (the ``gated`` flags of gdn_fwd.s07's and s10's fused kernels).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ MIN_SAVED_CHUNKS = 40      # fixed device cost of the plan and the chaining, in 
                            # fused kernel: ~0.13 ms against ~3.6 us a step (H200, s03, measured in
                            # profiles/autocp_lab.py); CP must save more chunk steps than that
 WARMUP_STEPS = 2           # phase 1's cost per chunk of a segment, in chunk steps of the fused
-                           # kernel (s07's, the promoted chain); fitted in segment_chunks' docstring
+                           # kernel; fitted with s07's as the chain (segment_chunks' docstring), not
+                           # yet refitted to s10's, the promoted chain (forward 1.05-1.12x s07's)
 CHUNK_SIZE = 64
 
 

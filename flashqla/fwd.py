@@ -3,9 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s08's:
-s07's reformulated, warp-specialized forward with AutoCP (s06's). Its kernels (measurements from
-each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s11's:
+s10's fused kernel (s07's reformulated, warp-specialized kernel with a lean chain) with AutoCP
+(s06's plan and warm-up, as in s08). Its kernels (measurements from each stage's docstring and
+``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
     gate_free_solve.s01      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
@@ -28,16 +29,23 @@ each stage's docstring and ``profiles/results/gdn_fwd.csv``, ``profiles/results/
                                                                   as the chain); with s07's (s08)
                                                                   1.04x on (16, 16) 1 x 32768, 0.81x
                                                                   on (16, 16) 1 x 8192, which the
-                                                                  rule no longer splits
-    gdn_fwd.s07 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
+                                                                  rule no longer splits; with s10's
+                                                                  (s11) not yet timed
+    gdn_fwd.s10 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
                                                        warp-specialized kernel (chain, scores,
                                                        output and producer warpgroups, mbarrier
-                                                       hand-offs); s07's forward (with this
-                                                       preparation) is 1.03-1.40x s05's on 30
-                                                       problems; this path is 0.57-1.91x FLA,
-                                                       0.37-1.17x FlashQLA (geomean 1.18x, 0.63x)
+                                                       hand-offs), the chain's per-chunk path
+                                                       without mask or exp (the producer writes
+                                                       exp(g), exp(g_C - g)), its hand-offs by
+                                                       stmatrix; s10's forward (with this
+                                                       preparation) is 1.05-1.12x s07's on 19
+                                                       problems (2 x H200, commit 3198fc1), e.g.
+                                                       (16, 64) 1 x 32768: 1.820 ms against s07
+                                                       1.916, FlashQLA 1.530, FLA 3.481; this path
+                                                       (the library's forward) is not yet timed
+                                                       with it
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.
@@ -72,7 +80,7 @@ WARPGROUP = 128
 CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: owns S; U = K S, W, V~ = WY W, the state update
 SCORES_END = 2 * WARPGROUP  # [128, 256) scores: WY = Gamma * Ab and P = scale (Q K^T * Gamma)
 OUTPUT_END = 3 * WARPGROUP  # [256, 384) output: O = scale diag(exp g) Q S_c + P V~_c
-FUSED_THREADS = 4 * WARPGROUP  # [384, 512) producer: TMA loads of q, k, v, Ab; the gates (s07's THREADS)
+FUSED_THREADS = 4 * WARPGROUP  # [384, 512) producer: TMA loads of q, k, v, Ab; the gates (s10's THREADS)
 # ---- its register budgets (setmaxnreg, per thread), within the launch's pool of 4 x 128
 REGS_PRODUCER = 24    # addresses
 REGS_CHAIN = 216      # S (64 fp32 a thread), U / W / Vd (32), V~ (32)
@@ -83,6 +91,8 @@ assert REGS_PRODUCER + REGS_CHAIN + REGS_SCORES + REGS_OUTPUT <= 4 * 128
 NUM_STAGES = 2        # tile stages: the producer fills chunk c + 2 once chunk c is consumed
 NUM_HANDOFF = 2       # slots for S_c, WY_c, V~_c and P_c: chunk c + 1's are written while
                       # chunk c's are still read
+HANDOFF_SLOTS = (0, 1)  # the chain and output unroll their chunk loop over them
+assert NUM_STAGES == NUM_HANDOFF == len(HANDOFF_SLOTS)  # chunk c's stage is its slot, c % 2
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
@@ -412,7 +422,17 @@ def warmup_kernel(H: int, HV: int):
     return gdn_autocp_warmup
 
 
-# ---- promoted from kernels/gdn_fwd/s07_ws_reformulated.py (THREADS renamed FUSED_THREADS)
+# ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
+def chunk_parts(num_seq_chunks):
+    """The chain's and output's chunk loop in two parts, (first chunk, trips, slots, present): the
+    pairs (chunks 2r, 2r + 1), then the odd last chunk, present only when the count is odd. The
+    odd chunk sits under an `if` with one trip: TileLang 0.1.15 lowered ``T.serial(n % 2)`` (a
+    loop whose extent it can bound by 1) to its body with no guard, so every even count ran one
+    chunk more than it had, on stale tiles (the GPU test of this stage's first build)."""
+    return ((0, num_seq_chunks // 2, HANDOFF_SLOTS, True),
+            (num_seq_chunks - 1, 1, HANDOFF_SLOTS[:1], num_seq_chunks % 2 == 1))
+
+
 def fused_reform_kernel(H: int, HV: int, K: int, V: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V; any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
@@ -426,7 +446,7 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int):
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
-    def gdn_fused_ws_reform(
+    def gdn_fused_ws_lean(
         q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         k: T.Tensor((num_tokens, H, K), "bfloat16"),
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
@@ -453,11 +473,16 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int):
             k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, scores
             v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
             ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # scores
-            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # all three
-            # hand-off slots: S_c (bf16) and V~_c from the chain, WY_c and P_c from the scores
-            h_s = T.alloc_shared((NUM_HANDOFF, K, BV), "bfloat16")
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # scores, output
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # chain: exp(g)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # chain: exp(g_C - g)
+            # hand-off slots: S_c (bf16) and V~_c from the chain, one buffer per slot (a store
+            # into a whole buffer lowers to stmatrix); WY_c and P_c from the scores
+            h_s0 = T.alloc_shared((K, BV), "bfloat16")
+            h_s1 = T.alloc_shared((K, BV), "bfloat16")
             wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
-            vn_s = T.alloc_shared((NUM_HANDOFF, C, BV), "bfloat16")
+            vn_s0 = T.alloc_shared((C, BV), "bfloat16")
+            vn_s1 = T.alloc_shared((C, BV), "bfloat16")
             p_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
             # chain only: W, the B operand of WY W; diag(exp(g_C - g)) V~, that of K^T Vd
             w_s = T.alloc_shared((C, BV), "bfloat16")
@@ -489,41 +514,49 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int):
                 T.set_max_nreg(REGS_CHAIN, 1)
                 # S <- h0 (this CTA's BV columns of it)
                 T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
-                for c in T.serial(num_seq_chunks):
-                    s = c % NUM_STAGES
-                    b = c % NUM_HANDOFF
-                    n = T.min(eos - bos - c * C, C)                # real rows of this chunk, 1..64
-                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    T.barrier_wait(bar_state_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
-                    # S_c (fp32 registers) -> bf16 in slot b: the operand of K S here and of Q S
-                    # in the output warpgroup
-                    T.copy(h_f, h_s[b, :, :])
-                    # U <- K S
-                    T.gemm(k_s[s, :, :], h_s[b, :, :], x_f, clear_accum=True)
-                    # W <- V - diag(exp(g)) U, rows >= n zero (their V~ rows are then zero too)
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = T.if_then_else(
-                            i < n, v_s[s, i, j] - T.exp2(g_s[s, i]) * x_f[i, j], 0)
-                    T.copy(x_f, w_s)
-                    # V~ <- WY W, WY from the scores warpgroup; its slot is free once this returns
-                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
-                    T.gemm(wy_s[b, :, :], w_s, vn_f, clear_accum=True)
-                    T.barrier_arrive(bar_wy_free[b])
-                    # V_d <- diag(exp(g_C - g)) V~, the decayed copy the state update reads
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = vn_f[i, j] * T.exp2(g_s[s, C - 1] - g_s[s, i])
-                    T.copy(x_f, vd_s)
-                    # S <- exp(g_C) S + K^T V_d, issued without waiting ...
-                    for i, j in T.Parallel(K, BV):
-                        h_f[i, j] = h_f[i, j] * T.exp2(g_s[s, C - 1])
-                    T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
-                    # ... while V~_c goes to slot b and S_c, V~_c are handed to the output
-                    # warpgroup (generic-proxy stores that its wgmma reads: fence, then arrive)
-                    T.copy(vn_f, vn_s[b, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_state_ready[b])
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(bar_tiles_empty[s])
+                # chunks in pairs, then an odd last one: each copy of the body has a constant
+                # stage and slot b = c % 2 (stmatrix stores into whole buffers h_sb, vn_sb)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:  # the odd last chunk under an `if` (chunk_parts says why)
+                        for r in T.serial(reps):
+                            for b, h_sb, vn_sb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1)):
+                                c = c0 + 2 * r + b
+                                phase = (c // NUM_HANDOFF) % 2
+                                T.barrier_wait(bar_tiles_full[b], phase)
+                                T.barrier_wait(bar_state_free[b], phase ^ 1)
+                                # S_c (fp32 registers) -> bf16 in slot b: the operand of K S
+                                # here and of Q S in the output warpgroup
+                                T.copy(h_f, h_sb)
+                                # U <- K S, issued without waiting, while S <- exp(g_C) S (registers
+                                # K S does not read; the update below adds K^T Vd to it)
+                                T.wgmma_gemm(k_s[b, :, :], h_sb, x_f, clear_accum=True)
+                                for i, j in T.Parallel(K, BV):
+                                    h_f[i, j] = h_f[i, j] * eg_s[b, C - 1]
+                                T.wait_wgmma(0)
+                                # W <- V - diag(exp(g)) U; rows >= n are finite and meet only WY's
+                                # zero columns, so V~ needs no mask
+                                for i, j in T.Parallel(C, BV):
+                                    x_f[i, j] = v_s[b, i, j] - eg_s[b, i] * x_f[i, j]
+                                T.copy(x_f, w_s)
+                                # V~ <- WY W, WY from the scores warpgroup; its slot is free once
+                                # this returns
+                                T.barrier_wait(bar_wy_ready[b], phase)
+                                T.gemm(wy_s[b, :, :], w_s, vn_f, clear_accum=True)
+                                T.barrier_arrive(bar_wy_free[b])
+                                # V_d <- diag(exp(g_C - g)) V~, the decayed copy the update reads
+                                for i, j in T.Parallel(C, BV):
+                                    x_f[i, j] = vn_f[i, j] * egd_s[b, i]
+                                T.copy(x_f, vd_s)
+                                # S <- S + K^T V_d (S already decayed), issued without waiting ...
+                                T.wgmma_gemm(k_s[b, :, :], vd_s, h_f, transpose_A=True)
+                                # ... while V~_c goes to slot b and S_c, V~_c are handed to the
+                                # output warpgroup (generic-proxy stores that its wgmma reads:
+                                # fence, then arrive)
+                                T.copy(vn_f, vn_sb)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_state_ready[b])
+                                T.wait_wgmma(0)
+                                T.barrier_arrive(bar_tiles_empty[b])
                 T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
 
             elif tx >= CHAIN_END and tx < SCORES_END:  # ---- the scores warpgroup
@@ -559,27 +592,31 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int):
 
             elif tx >= SCORES_END and tx < OUTPUT_END:  # ---- the output warpgroup
                 T.set_max_nreg(REGS_OUTPUT, 1)
-                for c in T.serial(num_seq_chunks):
-                    s = c % NUM_STAGES
-                    b = c % NUM_HANDOFF
-                    t0 = bos + c * C
-                    n = T.min(eos - t0, C)
-                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    T.barrier_wait(bar_state_ready[b], (c // NUM_HANDOFF) % 2)
-                    # O <- scale diag(exp(g)) Q S_c; the tile stage is then no longer needed
-                    T.gemm(q_s[s, :, :], h_s[b, :, :], o_f, clear_accum=True)
-                    for i, j in T.Parallel(C, BV):
-                        o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[s, i]))
-                    T.barrier_arrive(bar_tiles_empty[s])
-                    # O <- O + P_c V~_c
-                    T.barrier_wait(bar_scores_ready[b], (c // NUM_HANDOFF) % 2)
-                    T.gemm(p_s[b, :, :], vn_s[b, :, :], o_f)
-                    T.barrier_arrive(bar_state_free[b])
-                    T.barrier_arrive(bar_scores_free[b])
-                    # o[t0 : t0 + n] <- O, the chunk's own rows only, straight from the registers
-                    for i, j in T.Parallel(C, BV):
-                        if i < n:
-                            o[t0 + i, i_hv, v0 + j] = o_f[i, j]
+                # the chain's pairs and odd last chunk: slot b, h_sb and vn_sb as there
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:  # the odd last chunk under an `if` (chunk_parts says why)
+                        for r in T.serial(reps):
+                            for b, h_sb, vn_sb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1)):
+                                c = c0 + 2 * r + b
+                                phase = (c // NUM_HANDOFF) % 2
+                                t0 = bos + c * C
+                                n = T.min(eos - t0, C)
+                                T.barrier_wait(bar_tiles_full[b], phase)
+                                T.barrier_wait(bar_state_ready[b], phase)
+                                # O <- scale diag(exp(g)) Q S_c; then the tile stage is free
+                                T.gemm(q_s[b, :, :], h_sb, o_f, clear_accum=True)
+                                for i, j in T.Parallel(C, BV):
+                                    o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[b, i]))
+                                T.barrier_arrive(bar_tiles_empty[b])
+                                # O <- O + P_c V~_c
+                                T.barrier_wait(bar_scores_ready[b], phase)
+                                T.gemm(p_s[b, :, :], vn_sb, o_f)
+                                T.barrier_arrive(bar_state_free[b])
+                                T.barrier_arrive(bar_scores_free[b])
+                                # o[t0 : t0 + n] <- O, the chunk's own rows only, from the registers
+                                for i, j in T.Parallel(C, BV):
+                                    if i < n:
+                                        o[t0 + i, i_hv, v0 + j] = o_f[i, j]
 
             elif tx >= OUTPUT_END:  # ---- the producer warpgroup
                 T.set_max_nreg(REGS_PRODUCER, 0)
@@ -596,9 +633,14 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int):
                     # exponent (g_i - g_j with i >= j, g_C - g_i, g_i, g_C) is <= 0
                     for i in T.Parallel(C):
                         g_s[s, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
+                    # the chain's row factors exp(g_i) and exp(g_C - g_i), 64 exponentials a chunk
+                    # here instead of 64 x 64 there (exp(g_C) is the last of the first)
+                    for i in T.Parallel(C):
+                        eg_s[s, i] = T.exp2(g_s[s, i])
+                        egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
                     T.barrier_arrive(bar_tiles_full[s])
 
-    return gdn_fused_ws_reform
+    return gdn_fused_ws_lean
 
 
 # compile options beyond the target, as the stages use them. The fused kernel: no shared-memory

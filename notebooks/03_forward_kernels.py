@@ -443,8 +443,8 @@ if not later:
 # on an SM90 GPU with bf16 inputs and $K = V = 128$, kernels copied from their stages into
 # `flashqla/fwd.py`. For a while those were chunk-local cumsum, this fused preparation and s03's
 # fused recurrence and output; today they are the later chapters' stages: the gate-free solve and
-# the warp-specialized fused kernel on the reformulated math (`gdn_fwd.s07`, chapter 4), with
-# AutoCP (`gdn_fwd.s08`, chapter 5) when few heads run long sequences, where this fused
+# the warp-specialized fused kernel on the reformulated math (`gdn_fwd.s10`, chapter 4), with
+# AutoCP (`gdn_fwd.s11`, chapter 5) when few heads run long sequences, where this fused
 # preparation still gives the warm-up kernel its $w$ and $u$. A test asserts that each copy builds
 # the same TileLang program as its stage, so the library runs exactly what the stage tests checked.
 

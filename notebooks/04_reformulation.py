@@ -1257,8 +1257,8 @@ cuda_excerpt(s07.kernel_source(), FEATURES)
 # (chapter 3 explains the method), and writes `profiles/results/gdn_fwd.csv`. The committed file holds six head layouts, timed on a
 # 2 x H200 host, one process per GPU and head layout. This chapter reads two of them, (16, 64) and (16, 32), each with
 # one sequence of 2048, 8192 or 32768 tokens and two varlen batches. The rows of this chapter's
-# stages next to s03, the entry point (the promoted path: cumsum, gate-free solve, s07's fused
-# kernel, AutoCP as in s08) and the two peers, in ms:
+# stages next to s03, the entry point (the promoted path when these rows were timed: cumsum,
+# gate-free solve, s07's fused kernel, AutoCP as in s08) and the two peers, in ms:
 
 # %%
 s03 = load("gdn_fwd", 3)
@@ -1304,7 +1304,7 @@ assert all(t["FlashQLA"] < min(t[c] for c in COLS if c != "FlashQLA") for t in t
 assert all(t["API"] < t["s05"] for p, t in table.items() if not autocp_splits(p))
 assert all(t["s07"] < min(t["s03"], t["s04"], t["s05"]) for t in table.values())
 api_over_s07 = [t["s07"] / t["API"] for t in table.values()]
-print(f"the entry point (s07's kernel since the promotion) over the s07 stage: "
+print(f"the entry point (s07's kernel in these runs) over the s07 stage: "
       f"{min(api_over_s07):.2f}-{max(api_over_s07):.2f}x")
 assert min(api_over_s07) > 1
 
@@ -1326,12 +1326,12 @@ fig.tight_layout()
 # %% [markdown]
 # s04 and s05 beat s03 on every problem, by different mechanisms, and neither wins everywhere: s04 is
 # ahead on every (16, 64) problem, s05 on the long sequences of (16, 32). s07, which has both, is the
-# fastest stage on all ten. The entry point runs the same fused kernel (s07's, promoted through s08,
-# whose AutoCP leaves these sequences whole: an automatic split needs at least three segments,
-# `autocp.MIN_SEGMENTS`) and is faster than the s07 stage on every problem, most on the short ones:
-# the stage builds its varlen tables (bounds, chunk table) again in each of its three calls (cumsum,
-# gate-free solve, fused kernel), a few small launches each, and at 2048 tokens those microseconds
-# are a third of the time. FlashQLA stays ahead of all of them on every problem.
+# fastest of these stages on all ten. In these runs the entry point ran the same fused kernel (s07's,
+# promoted through s08, whose AutoCP leaves these sequences whole: an automatic split needs at least
+# three segments, `autocp.MIN_SEGMENTS`; it runs s10's since, through s11) and was faster than the
+# s07 stage on every problem, most on the short ones: the stage builds its varlen tables (bounds,
+# chunk table) again in each of its three calls (cumsum, gate-free solve, fused kernel), a few small
+# launches each, and at 2048 tokens those microseconds are a third of the time. FlashQLA stays ahead of all of them on every problem.
 #
 # The napkin math of sections 2 and 4 against these numbers. The reformulation changes the
 # preparation (memory-bound), so its gain should track the HBM bytes it saves, whose time at the copy
@@ -1583,10 +1583,10 @@ assert all(0.55 < x < 0.8 for x in ratio09.values())          # slower everywher
 #   a few percent. Nsight Compute: 1.63x on the same work, tensor pipe 18 -> 27 % busy, DRAM
 #   20 -> 33 % of peak, the barrier stalls gone, still latency-bound.
 # - s07 puts s04's math into s05's roles, with $\Gamma \odot A_b$ built by the scores warpgroup: its
-#   gain over s03 is the sum of s04's and s05's (1.00-1.20x), the fastest stage on all ten problems
-#   (2.06 ms on (16, 64) 1 x 32768). Its kernel alone is slower than s05's (Nsight Compute: 349
-#   against 297 us on (16, 64) 1 x 8192) and as latency-bound. The entry point now runs s07's
-#   kernel (promoted through s08, with AutoCP) after a lighter preparation: 1.95 ms there, 4.0x the
-#   floor. FlashQLA remains faster on every problem here (1.53 ms there).
+#   gain over s03 is the sum of s04's and s05's (1.00-1.20x), the fastest of the four on all ten
+#   problems (2.06 ms on (16, 64) 1 x 32768). Its kernel alone is slower than s05's (Nsight Compute:
+#   349 against 297 us on (16, 64) 1 x 8192) and as latency-bound. The entry point ran s07's kernel
+#   (promoted through s08, with AutoCP) after a lighter preparation: 1.95 ms there, 4.0x the floor;
+#   it now runs s10's (through s11). FlashQLA remains faster on every problem here (1.53 ms there).
 # - s09 forms $u$ and $w$ on chip to give the chain s05's two products, and is 0.6-0.8x s07: the
 #   scores warpgroup, now the slowest role, sets the pace.

@@ -228,8 +228,8 @@ print("\n(segments per sequence x chunks per segment, 132 SMs, 2 CTAs per (segme
 # segments (right) the same work is cut into segments of $L$ chunks. Phase 1 (the warm-up windows,
 # and the whole previous segment for the exact heads, with $K$ extra state columns: about
 # `autocp.WARMUP_STEPS` = 2 steps of s07's fused kernel per chunk, fitted to the measured runs in
-# the rule's docstring above) is drawn before phase 3; the chaining between them is a few small
-# matmuls.
+# the rule's docstring above; not yet refitted to s10's, the chain the library runs now) is drawn
+# before phase 3; the chaining between them is a few small matmuls.
 
 # %%
 def fill(ax, lengths, HV, L, sms=132):
@@ -300,11 +300,13 @@ print(inspect.getsource(s06.forward))
 # warm-up kernel still runs the $w$, $u$ chain, so on the split path `chunk_fwd_intra.s01` computes
 # them. And the flags belong to rows of the chunk table of the whole sequences: since every
 # segment starts on a chunk boundary of its sequence, segment $j$ of sequence $n$ starts at that
-# sequence's first row plus $jL$, which the plan carries as `first_chunk`. The library's forward
-# (`flashqla/fwd.py`) is s08's.
+# sequence's first row plus $jL$, which the plan carries as `first_chunk`. `gdn_fwd.s11` is s08
+# with s10's kernel as the chain: s07's with the chain's per-chunk path made lean, the same
+# interface. The library's forward (`flashqla/fwd.py`) is s11's.
 
 # %%
 print(load("gdn_fwd", 8).__doc__.strip().splitlines()[0])
+print(load("gdn_fwd", 11).__doc__.strip().splitlines()[0])
 lengths8 = (1000, 130, 2000)                                        # 16 + 3 + 32 chunks, L = 8
 plan8 = autocp.plan(torch.tensor([0, *itertools.accumulate(lengths8)], dtype=torch.int32), 1,
                     sum(lengths8), 8, 132, 2, "cpu", force=8)
@@ -366,9 +368,9 @@ else:
 # The "rule now" column is the rule as it stands: it splits exactly where these forced splits won.
 #
 # The forward benchmark (`profiles/results/gdn_fwd.csv`, all rows of a problem in one process)
-# times each AutoCP stage beside its chain alone: s06 beside s05, s08 beside s07. Where the two
-# differ by more than 2 %, the run split. Those rows, the rule's decision now, and whether it
-# agrees with what the split measured:
+# times each AutoCP stage beside its chain alone: s06 beside s05, s08 beside s07, s11 beside s10.
+# Where the two differ by more than 2 %, the run split. Those rows, the rule's decision now, and
+# whether it agrees with what the split measured:
 
 # %%
 print(f"{'problem':22s} {'stage':>5s} {'chain alone':>11s} {'with CP':>8s} {'speed-up':>8s}  {'rule now':>9s}")

@@ -1,5 +1,5 @@
-"""AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06 and
-s08 on the GPU.
+"""AutoCP: the planner against plain Python walks, the warm-up bound in float64, and gdn_fwd.s06,
+s08 and s11 on the GPU.
 
 CPU: the decision rule (and every split the committed benchmark runs timed: the rule splits where
 it won), the segment table (every token in exactly one segment), each segment's
@@ -7,9 +7,9 @@ first chunk row, the warm-up counts against a brute-force count, the device-side
 the bound's conditions fail, the chaining of phase 2 against a loop, the reference's exact
 chaining against the recurrence, and the bound itself in float64
 (||approximated - exact|| <= exp(log decay over the window) ||state where the window starts||).
-GPU, for each stage (s06: s05's kernel as the chain; s08: s07's): CP on against CP off (each
-head's error against float64), varlen with many segments, bitwise determinism, and CUDA-graph
-capture and replay of the whole forward.
+GPU, for each stage (s06: s05's kernel as the chain; s08: s07's; s11: s10's): CP on against CP
+off (each head's error against float64), varlen with many segments, bitwise determinism, and
+CUDA-graph capture and replay of the whole forward.
 """
 
 import concurrent.futures
@@ -62,8 +62,8 @@ def test_decision_rule():
 
 def measured_splits():
     """(what, rule's arguments, speed-up of the split) for every split a committed run timed:
-    gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07) where they differ by
-    more than 2 % (the run split there), and autocp.csv's forced splits against s03."""
+    gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07, s11 / s10) where they
+    differ by more than 2 % (the run split there), and autocp.csv's forced splits against s03."""
     out = []
     for label, cp, alone, split in bench.autocp_splits_timed(bench.read_csv(bench.RESULTS / "gdn_fwd.csv")):
         _, hv, lengths = bench.heads_and_lengths(label)
@@ -362,15 +362,15 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
     assert n_warm > 0
 
 
-# ---- gdn_fwd.s06 and s08 on the GPU -------------------------------------------------------------
+# ---- gdn_fwd.s06, s08 and s11 on the GPU -------------------------------------------------------
 
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8], ids=["s06", "s08"])
+@pytest.fixture(scope="module", params=[6, 8, 11], ids=["s06", "s08", "s11"])
 def stage(request):
-    """The stage (s06, or s08 on s07's kernel), with its kernels (and those of the chain it runs)
-    compiled on threads first."""
+    """The stage (s06, s08 on s07's kernel, or s11 on s10's), with its kernels (and those of the
+    chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -480,25 +480,26 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-def test_s08_segments_read_their_own_chunks_gated_flags(problem, L):
-    """gdn_fwd.s08's phase 3 reads ``gated`` at each segment's rows of the whole sequences' chunk
-    table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is as close to
-    float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple of the
-    flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
+@pytest.mark.parametrize("number", [8, 11], ids=["s08", "s11"])
+def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
+    """Phase 3 of gdn_fwd.s08 and of s11 reads ``gated`` at each segment's rows of the whole
+    sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
+    as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
+    of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
     from flashqla.stages import load
 
-    s08 = load("gdn_fwd", 8)
+    mod = load("gdn_fwd", number)
     x = flag_every_third_chunk(problem.inputs("cuda", seed=5))
     cu = x["cu_seqlens"]
     g_cum = load("chunk_local_cumsum", 1).run(x["g"], cu)
     _, gated = load("gate_free_solve", 1).solve(x["k"], x["beta"], g_cum, cu)
     odd = torch.arange(problem.HV, device="cuda") % 2 == 1
     assert gated[:, odd].any() and not gated[:, odd].all() and not gated[:, ~odd].any()
-    on = s08.forward(**x, cp=L)
-    off = s08.forward(**x, cp=False)
+    on = mod.forward(**x, cp=L)
+    off = mod.forward(**x, cp=False)
     want = ref.chunk_gated_delta_rule_ref(**cast_floats(x, F64))
     for got_on, got_off, w, axis in ((on[0], off[0], want[0], 2), (on[1], off[1], want[1], 1)):
         e_on, e_off = head_errors(got_on, w, axis), head_errors(got_off, w, axis)
         for h, (a, b) in enumerate(zip(e_on, e_off)):
             assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
-    check_op("gdn_fwd", lambda **kw: s08.forward(**kw, cp=L), x)
+    check_op("gdn_fwd", lambda **kw: mod.forward(**kw, cp=L), x)

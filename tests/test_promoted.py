@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s08) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s11) gives."""
 
 import sys
 
@@ -18,7 +18,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
-    (fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
     # library's BV
     (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
@@ -66,8 +66,8 @@ def test_a_changed_kernel_is_caught():
 
 
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
-    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
-    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 7), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
@@ -121,10 +121,10 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
 ], ids=["varlen-off", "varlen-L4", "batch-L3"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s08's kernels in s08's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s11's kernels in s11's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    s08 = load("gdn_fwd", 8)
-    want = s08.forward(**x, cp=cp)
+    s11 = load("gdn_fwd", 11)
+    want = s11.forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
