@@ -51,9 +51,10 @@ MIN_SEGMENT_CHUNKS = 8     # shortest segment (512 tokens): shorter ones cost mo
 MAX_SEGMENTS = 32          # most segments per sequence: the length of the sequential chaining loop
 MAX_WARMUP_CHUNKS = 64     # longest warm-up (4096 tokens, |g| >= 0.0025 a token); beyond it: exact
 MIN_SEGMENTS = 3           # fewest segments of an automatic split: two lost (see segment_chunks)
-MIN_SAVED_CHUNKS = 40      # fixed device cost of the plan and the chaining, in chunk steps of the
-                           # fused kernel: ~0.13 ms against ~3.6 us a step (H200, s03, measured in
-                           # profiles/autocp_lab.py); CP must save more chunk steps than that
+MIN_SAVED_CHUNKS = 100     # fixed device cost of the plan, phase 1's start and the chaining, in
+                           # chunk steps of the fused kernel (s07's): CP must save more than that.
+                           # Between the model's 80 on (2, 8) 1 x 8192, where CP lost (0.96x), and
+                           # its 128 on (4, 16) and (16, 16) 1 x 32768, where it won (1.05-1.14x)
 WARMUP_STEPS = 2           # phase 1's cost per chunk of a segment, in chunk steps of the fused
                            # kernel; fitted with s07's as the chain (segment_chunks' docstring), not
                            # yet refitted to s10's, the promoted chain (forward 1.05-1.12x s07's)
@@ -88,7 +89,13 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     0.85x and 0.94x; it gained 1.15x on 1 x 32768); autocp.csv's forced splits on (2, 8) won from
     4096 tokens and lost at 2048 (tests/test_autocp.py checks all of them against the CSVs). Two
     segments lose: on (16, 32) 1 x 32768 (s05's chain, ``gdn_fwd.csv`` at commit 9ef1cd8) they took
-    2.46 ms against 2.12 without CP. ``force``: False never splits, True splits with this L even
+    2.46 ms against 2.12 without CP. The rerun at commit 3198fc1 (2 x H200) added (2, 8) and
+    (4, 16): CP won on (2, 8) 1 x 32768 and 28672 + 4096 (1.52-1.95x), (4, 16) 1 x 32768 (1.14x on
+    s07's chain, 1.30x on s05's) and again (16, 16) 1 x 32768 (1.05x), and lost on (2, 8) 1 x 8192
+    (0.96x on s07's chain, 0.97x on s05's): with the s07-family chains the fixed cost is more than the
+    40 s03 steps above (40 of s03's are ~71 of s07's), so MIN_SAVED_CHUNKS is 100, between the
+    model's savings of the losing case (80) and the winning ones (128 and more). autocp.csv's forced
+    splits of 4096 and 8192 tokens won with s03's slower chain; with s07's they do not. ``force``: False never splits, True splits with this L even
     when J = 1, an int is L itself. (Eager calls add about 1.4 ms of host time that this does not
     count.)
     """

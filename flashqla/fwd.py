@@ -4,13 +4,17 @@ Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, 
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
 library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s11's:
-s10's fused kernel (s07's reformulated, warp-specialized kernel with a lean chain) with AutoCP
+gate_free_solve.s02's blocked solve and s10's fused kernel (s07's reformulated, warp-specialized
+kernel with a lean chain) with AutoCP
 (s06's plan and warm-up, as in s08). Its kernels (measurements from each stage's docstring and
 ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
-    gate_free_solve.s01      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
-                                                                  diag(beta) with no gate, K K^T once
+    gate_free_solve.s02      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+                                                                  diag(beta) with no gate (a blocked
+                                                                  inverse: 16 x 16 diagonal blocks by
+                                                                  substitution, the rest by block
+                                                                  products), K K^T once
                                                                   per key head; a (chunk, value
                                                                   head) where beta ||k||^2 > 2
                                                                   solves the gated matrix instead
@@ -73,6 +77,7 @@ THREADS = 128         # one warpgroup (gate_free_solve, chunk_fwd_intra; the war
 GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
 BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel
 BLOCK = 64            # state columns per CTA of the warm-up kernel
+SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks, one block column per warp
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
@@ -132,19 +137,19 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/gate_free_solve/s01_shared_kkt.py
+# ---- promoted from kernels/gate_free_solve/s02_blocked_inverse.py
 def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
     value heads of one key head (a divisor of HV / H); any token or chunk count."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
-    C, K, R = CHUNK_SIZE, HEAD_DIM, heads_per_cta
+    C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
-    def gate_free_solve_fwd(
+    def gate_free_solve_blocked(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
@@ -154,8 +159,10 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     ):
         with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
             t = T.get_thread_binding()
-            col = 16 * (t // 32) + t % 16                      # warp w solves columns 16w..16w+15
+            jb = t // 32                                       # this warp's block column
+            c = t % 16                                         # its column within the block
             half = (t // 16) % 2                               # which half of each row sum
+            col = SOLVE_BLOCK * jb + c                               # the lane's column of X
             hv0 = i_r * R                                      # this CTA's first value head
             i_h = hv0 // group
             bos = chunk_bounds[i_c, 0]                         # first token of the chunk
@@ -164,13 +171,15 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             k_s = T.alloc_shared((C, K), "bfloat16")
             kkt_s = T.alloc_shared((C, C), "float32")
             a_s = T.alloc_shared((C, C), "float32")
+            xd_s = T.alloc_shared((C, SOLVE_BLOCK), "float32")       # row i: X's diagonal block row i
             out_s = T.alloc_shared((C, C), "bfloat16")
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
             kkt_f = T.alloc_fragment((C, C), "float32")
-            x_col = T.alloc_local((C // 2,), "float32")        # this half's x_j of column col
-            acc = T.alloc_local((4,), "float32")               # four partial sums of a row
+            x_col = T.alloc_local((NB * 8,), "float32")        # X[16 l + 8 half + q, col] at 8 l + q
+            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
+            acc = T.alloc_local((2,), "float32")               # two partial sums of a row
             row = T.alloc_local((1,), "float32")
 
             # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
@@ -182,56 +191,86 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             for r, i in T.Parallel(R, C):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
                 g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
-            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), kept for every value head
+            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), kept for every value head;
+            # a_s, the solve's source, holds it too, or K K^T * Gamma while a flagged head solves
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
             T.copy(kkt_f, kkt_s)
+            T.copy(kkt_f, a_s)
             # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
             for r, i in T.Parallel(R, C):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
                     flag_s[r] = 1
 
             for r in T.serial(R):
-                # A <- StrictLower(diag(beta) K K^T) on rows < n (gate-free), or for a flagged head
-                # StrictLower(diag(beta) K K^T * Gamma): exponents g_i - g_j <= 0 for j < i
-                if flag_s[r] == 0:
+                # A = diag(beta) StrictLower(a_s): a_s is K K^T (no per-head pass: beta scales the
+                # row sums below, and every sum meets only x_l with l < i, the others still 0),
+                # or for a flagged head K K^T * Gamma below the diagonal (exponents g_i - g_j <= 0;
+                # zero above it, where exp2 would overflow); beta = 0 on rows >= n
+                if flag_s[r] == 1:
                     for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else((j < i) & (i < n), beta_s[r, i] * kkt_s[i, j], 0)
-                else:
-                    for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else(
-                            (j < i) & (i < n), beta_s[r, i] * kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
+                        a_s[i, j] = T.if_then_else(j < i, kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
 
-                # x <- (I + A)^-1 e_col by forward substitution: x_i = [i == col] - sum_{j<i} A_ij x_j.
-                # x_j = 0 for j < col, so warp w starts at row 16w. Half h keeps the x_j of the
-                # blocks of four j with (j / 4) mod 2 = h, x_col[s] = x_j for j = 8 (s / 4) + 4 h +
-                # s mod 4; it sums its half of row i over whole blocks (unknown x_j are still 0) in
-                # four chains, and one shuffle adds the other half
-                for s in T.unroll(C // 2):
+                # phase A: X_jj <- (I + A_jj)^-1 e_c by forward substitution over the block's 16
+                # rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l (unknown x_l are still 0);
+                # half h sums l in 8h .. 8h + 7, one shuffle adds the other half
+                for s in T.unroll(NB * 8):
                     x_col[s] = 0.0
-                for warp in (0, 1, 2, 3):  # a Python loop: four copies, every index a constant
-                    if t // 32 == warp:
-                        for i in T.unroll(16 * warp, C):
-                            for q in T.unroll(4):
-                                acc[q] = 0.0
-                            for b in T.unroll(2 * warp, C // 8):
-                                if 8 * b < i:
-                                    for q in T.unroll(4):
-                                        acc[q] = acc[q] + a_s[i, 8 * b + 4 * half + q] * x_col[4 * b + q]
-                            row[0] = (acc[0] + acc[1]) + (acc[2] + acc[3])
-                            row[0] = T.if_then_else(i == col, 1.0, 0.0) - (row[0] + T.shfl_xor(row[0], 16))
-                            if (i // 4) % 2 == half:
-                                x_col[4 * (i // 8) + i % 4] = row[0]
-                # Ab[:, col] <- x beta_col (bf16), each half its own rows
-                for s in T.unroll(C // 2):
-                    out_s[8 * (s // 4) + 4 * half + s % 4, col] = x_col[s] * beta_s[r, col]
+                for i in T.unroll(SOLVE_BLOCK):
+                    acc[0] = 0.0
+                    acc[1] = 0.0
+                    for q in T.unroll(8):
+                        acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q] * x_col[q]
+                    row[0] = acc[0] + acc[1]
+                    row[0] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r, SOLVE_BLOCK * jb + i] * (
+                        row[0] + T.shfl_xor(row[0], 16))
+                    if i // 8 == half:
+                        x_col[i % 8] = row[0]
+                for q in T.unroll(8):
+                    xd_s[SOLVE_BLOCK * jb + 8 * half + q, c] = x_col[q]
+                T.sync_threads()
+
+                # phase B, level d: block row i = j + d of the warp's block column j,
+                # t <- diag(beta) sum_{e < d} a_{i, j+e} X_{j+e, j}[:, c] (16 independent row sums), then
+                # X_ij[:, c] <- -X_ii t (X_ii from phase A, this half's 8 rows)
+                for d in T.unroll(1, NB):
+                    if jb + d < NB:
+                        for i in T.unroll(SOLVE_BLOCK):
+                            acc[0] = 0.0
+                            acc[1] = 0.0
+                            for e in T.unroll(d):
+                                for q in T.unroll(8):
+                                    acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * (jb + d) + i,
+                                                                  SOLVE_BLOCK * (jb + e) + 8 * half + q] * x_col[8 * e + q]
+                            row[0] = acc[0] + acc[1]
+                            t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
+                        for q in T.unroll(8):
+                            acc[0] = 0.0
+                            acc[1] = 0.0
+                            for s in T.unroll(SOLVE_BLOCK):
+                                acc[s % 2] = acc[s % 2] + xd_s[SOLVE_BLOCK * (jb + d) + 8 * half + q, s] * t_col[s]
+                            x_col[8 * d + q] = -(acc[0] + acc[1])
+
+                # Ab[:, col] <- X[:, col] beta_col (bf16): block row j + d holds X_{j+d, j} (at
+                # x_col[8 d ..]); the block rows above the diagonal block are zero
+                for d in T.unroll(NB):
+                    if jb + d < NB:
+                        for q in T.unroll(8):
+                            out_s[SOLVE_BLOCK * (jb + d) + 8 * half + q, col] = x_col[8 * d + q] * beta_s[r, col]
+                for d in T.unroll(1, NB):
+                    if jb >= d:
+                        for q in T.unroll(8):
+                            out_s[SOLVE_BLOCK * (jb - d) + 8 * half + q, col] = 0
                 # ab[bos : bos + n, hv0 + r] <- Ab, whole 128-byte rows
                 for i, j in T.Parallel(C, C):
                     if i < n:
                         ab[bos + i, hv0 + r, j] = out_s[i, j]
                 if t == 0:
                     gated[i_c, hv0 + r] = flag_s[r]
+                # a_s <- K K^T again after a flagged head
+                if flag_s[r] == 1:
+                    T.copy(kkt_s, a_s)
 
-    return gate_free_solve_fwd
+    return gate_free_solve_blocked
 
 
 # ---- promoted from kernels/chunk_fwd_intra/s01_fused.py

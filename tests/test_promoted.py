@@ -15,7 +15,7 @@ from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
-    (fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
@@ -68,7 +68,7 @@ def test_a_changed_kernel_is_caught():
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
-    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 1), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
@@ -99,7 +99,7 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem, cp", [
-    (Problem(2, 8, (4096,)), None),                                 # the rule splits: 8 x 512 tokens
+    (Problem(2, 8, (16384,)), None),                                # the rule splits: 8 x 2048 tokens
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, empty segment rows
     (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
 ], ids=["auto", "varlen-L4", "no-h0-L2"])

@@ -1,5 +1,6 @@
 """The reformulation of gdn_fwd.s04: its identities in float64 (CPU), and its precision policy on
-adversarial inputs on the GPU (s04, and s09, which forms w and u on chip from the same Ab).
+adversarial inputs on the GPU (s04; s09, which forms w and u on chip from the same Ab; s11, whose
+Ab comes from gate_free_solve.s02's blocked inverse).
 
     Gamma * A_r = Ai                      the gate-free inverse carries the gate elementwise
     (Gamma * Ab) (V - D K h) = u - w h    so w and u need not exist
@@ -110,8 +111,10 @@ def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound(solve_stage):
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-def test_s09_on_adversarial_inputs(kind):
+@pytest.mark.parametrize("number", [9, 11], ids=["s09", "s11"])
+def test_stage_on_adversarial_inputs(number, kind):
     """gdn_fwd.s09 forms w = (Gamma * Ab) diag(exp g) K on chip, for flagged chunks from Ab as
-    stored (its columns scaled): the unnormalized keys are where that path runs."""
+    stored (its columns scaled): the unnormalized keys are where that path runs. gdn_fwd.s11 reads
+    gate_free_solve.s02's blocked inverse, whose flagged heads solve K K^T * Gamma."""
     inputs = adversarial_inputs(kind, seed=zlib.crc32(kind.encode()))
-    check_op("gdn_fwd", stages.load("gdn_fwd", 9).run, inputs)
+    check_op("gdn_fwd", stages.load("gdn_fwd", number).run, inputs)

@@ -1,14 +1,15 @@
-"""gdn_fwd, stage 11: AutoCP (s08) with s10's fused kernel as the chain.
+"""gdn_fwd, stage 11: AutoCP (s08) with s10's fused kernel as the chain and gate_free_solve.s02.
 
 What changed from s08: the kernel that walks the segments in phase 3, and the whole sequences when
 the plan does not split, is s10's (s07's roles, barriers, math and precision, with the chain's
 per-chunk path lean: no mask and no exp in its elementwise passes, stmatrix hand-offs, the decay
-beside K S) instead of s07's. s10's ``fused_reform``, ``_compiled`` and ``BLOCK_V`` are s07's
+beside K S) instead of s07's; and the solve is gate_free_solve.s02's blocked inverse (the same Ab
+and flags as s01's, with no 64-row serial chain: s01 took 153 of s10's 471 us on (16, 64)
+1 x 8192, torch.profiler, one H200). s10's ``fused_reform``, ``_compiled`` and ``BLOCK_V`` are s07's
 interface (the same arguments in the same order: v, Ab, ``gated``, the bounds and each sequence's
-first chunk row), so the pipeline is s08's line for line; only ``CHAIN`` differs. The solve stage
-is named once, ``SOLVE``. No new kernel:
+first chunk row), so the pipeline is s08's line for line; only ``CHAIN`` and ``SOLVE`` differ. No new kernel:
 
-    preparation  g_cum (chunk_local_cumsum.s01), then Ab and gated (``SOLVE``: gate_free_solve.s01)
+    preparation  g_cum (chunk_local_cumsum.s01), then Ab and gated (``SOLVE``: gate_free_solve.s02)
     plan         ``flashqla.autocp.plan``; no split: s10's kernel over the sequences, done
     phase 1      s06's warm-up kernel on chunk_fwd_intra.s01's w, u (this path only), as in s08
     phase 2      ``flashqla.autocp.segment_initial_states``: h_j = Z_j + M_j h_{j-1}
@@ -48,7 +49,7 @@ NEEDS = ("hopper",)
 # tiles); warpgroup_reg_alloc / _dealloc: the fused kernel's role register budgets (setmaxnreg)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "warpgroup_reg_alloc", "warpgroup_reg_dealloc")
 
-SOLVE = ("gate_free_solve", 1)  # the stage that gives Ab and the gated flags
+SOLVE = ("gate_free_solve", 2)  # the stage that gives Ab and the gated flags
 WARMUP = ("gdn_fwd", 6)  # the stage whose warm-up kernel runs phase 1
 CHAIN = ("gdn_fwd", 10)  # the stage whose fused kernel runs phase 3 (and the forward without a split)
 CHUNK_SIZE = 64          # C: tokens per chunk
