@@ -135,7 +135,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 # zero above it, where exp2 would overflow); beta = 0 on rows >= n
                 if flag_s[r] == 1:
                     for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else(j < i, kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
+                        a_s[i, j] = T.if_then_else((j < i) & (i < n), kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
 
                 # phase A: X_jj <- (I + A_jj)^-1 e_c by forward substitution over the block's 16
                 # rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l (unknown x_l are still 0);
