@@ -1299,12 +1299,13 @@ print("\ns05 faster than s04 on:", ", ".join(s05_ahead))
 print("AutoCP splits the sequences of:", ", ".join(split))
 # what the prose below says
 assert all(t["s04"] < t["s03"] and t["s05"] < t["s03"] for t in table.values())
-assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 64)"))
-assert all(t["FlashQLA"] < min(t[c] for c in COLS if c != "FlashQLA") for t in table.values())
+assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 64)") and "1x2048" not in p)
+assert all(t["FlashQLA"] < min(t[c] for c in COLS if c not in ("FlashQLA", "API")) for t in table.values())
+assert [short(p) for p, t in table.items() if t["API"] < t["FlashQLA"]] == ["(16, 64) 28672+4096"]
 assert all(t["API"] < t["s05"] for p, t in table.items() if not autocp_splits(p))
 assert all(t["s07"] < min(t["s03"], t["s04"], t["s05"]) for t in table.values())
 api_over_s07 = [t["s07"] / t["API"] for t in table.values()]
-print(f"the entry point (s07's kernel in these runs) over the s07 stage: "
+print(f"the entry point (s11's pipeline in these runs) over the s07 stage: "
       f"{min(api_over_s07):.2f}-{max(api_over_s07):.2f}x")
 assert min(api_over_s07) > 1
 
@@ -1325,13 +1326,14 @@ fig.tight_layout()
 
 # %% [markdown]
 # s04 and s05 beat s03 on every problem, by different mechanisms, and neither wins everywhere: s04 is
-# ahead on every (16, 64) problem, s05 on the long sequences of (16, 32). s07, which has both, is the
-# fastest of these stages on all ten. In these runs the entry point ran the same fused kernel (s07's,
-# promoted through s08, whose AutoCP leaves these sequences whole: an automatic split needs at least
-# three segments, `autocp.MIN_SEGMENTS`; it runs s10's since, through s11) and was faster than the
-# s07 stage on every problem, most on the short ones: the stage builds its varlen tables (bounds,
-# chunk table) again in each of its three calls (cumsum, gate-free solve, fused kernel), a few small
-# launches each, and at 2048 tokens those microseconds are a third of the time. FlashQLA stays ahead of all of them on every problem.
+# ahead on the (16, 64) problems from 8192 tokens, s05 on the single sequences of (16, 32) and at
+# 2048 tokens. s07, which has both, is the fastest of these stages on all ten. In these runs the
+# entry point ran s11's pipeline (s07's lineage: s10's lean-chain kernel after
+# `gate_free_solve.s02`, with AutoCP, which leaves these sequences whole) and was 1.04-1.24x the s07
+# stage, most on the short sequences: besides its faster kernels, the stage builds its varlen tables
+# (bounds, chunk table) again in each of its three calls (cumsum, gate-free solve, fused kernel),
+# while the entry point builds them once, with one kernel. FlashQLA stays ahead of all of them on
+# every problem but (16, 64) 28672 + 4096.
 #
 # The napkin math of sections 2 and 4 against these numbers. The reformulation changes the
 # preparation (memory-bound), so its gain should track the HBM bytes it saves, whose time at the copy
@@ -1366,7 +1368,7 @@ print("* s03's fused kernel minus s05's, both alone, from s05's docstring (anoth
 below_floor = [short(p) for p in table
                if table[p]["s03"] - table[p]["s04"] < saved_per_pair * pairs_of(p) / rates["HBM byte"] * 1e3]
 print("s04's gain below its bytes' floor on:", ", ".join(below_floor))
-assert below_floor == ["(16, 32) 1x32768"], below_floor
+assert below_floor == ["(16, 32) 1x2048", "(16, 32) 1x8192", "(16, 32) 1x32768"], below_floor
 for p, gain in kernel_gain.items():
     if p in table:
         assert abs(table[p]["s03"] - table[p]["s05"] - gain) < 0.1 * gain, (p, gain)
@@ -1378,17 +1380,18 @@ for p, gain in kernel_gain.items():
 # more CTAs than the card has SMs, so the fused kernel takes the chain's length times the time of a
 # chunk, whatever the heads.
 #
-# s04's gain is above its bytes' floor everywhere but on (16, 32) 1 x 32768: the s03 stage prepares $w$ and $u$ with three
+# s04's gain is above its bytes' floor everywhere but on the single sequences of (16, 32): the s03 stage prepares $w$ and $u$ with three
 # kernels (`chunk_kkt`, `kkt_solve`, `chunk_w_u`) that write $A$ and its inverse to HBM and read them
 # back, more than the fused `chunk_fwd_intra.s01` that section 2's "before" pipeline counts. It
 # shrinks with the value heads, as the bytes do, and s04's fused kernel is slower than s03's (13-17 %,
 # its docstring), which weighs more where the fused kernel is a larger share of the run: with 32 value
-# heads and long sequences, s05 is ahead, and on one sequence of 32768 tokens the slower kernel eats
-# most of what the preparation saves.
+# heads and single sequences, s05 is ahead, and there the slower kernel eats much of what the
+# preparation saves (in this run s04 gains 0.001-0.147 ms over s03 on them, below the 0.012-0.192 ms
+# its bytes would save at the copy roof).
 #
 # The two gains are in different kernels, s04's in the preparation and s05's in the fused kernel, so
-# s07, which takes both, should gain about their sum over s03. It does (the next cell): 1.00-1.20x
-# the sum, the most on (16, 32) 1 x 32768, where s04's own kernel lost most of its preparation's gain
+# s07, which takes both, should gain about their sum over s03. It does (the next cell): 0.98-1.20x
+# the sum, the most on (16, 32) 1 x 8192, where s04's own kernel lost most of its preparation's gain
 # to the chain's extra product; in s07's roles that product hides behind the output work, as s07
 # was built to do.
 
@@ -1400,7 +1403,7 @@ for p, t in table.items():
     assert g7 > 0.9 * (g4 + g5), (p, g4, g5, g7)
 over_sum = [(t["s03"] - t["s07"]) / (2 * t["s03"] - t["s04"] - t["s05"]) for t in table.values()]
 print(f"s07's gain over s03, in units of the sum: {min(over_sum):.2f}-{max(over_sum):.2f}x")
-assert 0.99 < min(over_sum) and max(over_sum) < 1.21
+assert 0.97 < min(over_sum) and max(over_sum) < 1.21
 
 # %% [markdown]
 # On a machine with a Hopper GPU, the next cell times s03, s04 and s05 again on one problem with the

@@ -63,7 +63,7 @@ def test_decision_rule():
 
 def measured_splits():
     """(what, rule's arguments, speed-up of the split) for every split a committed run timed:
-    gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07, s11 / s10) where they
+    gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07) where they
     differ by more than 2 % (the run split there). Not autocp.csv's forced splits: they ran s03's
     chain, 1.77x slower a step, where splits pay from shorter sequences (autocp.segment_chunks)."""
     out = []
