@@ -34,7 +34,10 @@ kernel with a lean chain) with AutoCP
                                                                   1.04x on (16, 16) 1 x 32768, 0.81x
                                                                   on (16, 16) 1 x 8192, which the
                                                                   rule no longer splits; with s10's
-                                                                  (s11) not yet timed
+                                                                  (s11, commit a76066e) 1.08-1.66x
+                                                                  on (2, 8) and (4, 16) from 32768
+                                                                  tokens, 0.97x on (16, 16)
+                                                                  1 x 32768
     gdn_fwd.s10 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
@@ -43,13 +46,13 @@ kernel with a lean chain) with AutoCP
                                                        hand-offs), the chain's per-chunk path
                                                        without mask or exp (the producer writes
                                                        exp(g), exp(g_C - g)), its hand-offs by
-                                                       stmatrix; s10's forward (with this
-                                                       preparation) is 1.05-1.12x s07's on 19
-                                                       problems (2 x H200, commit 3198fc1), e.g.
-                                                       (16, 64) 1 x 32768: 1.820 ms against s07
-                                                       1.916, FlashQLA 1.530, FLA 3.481; this path
-                                                       (the library's forward) is not yet timed
-                                                       with it
+                                                       stmatrix; s10's forward is 1.05-1.13x
+                                                       s07's on 40 problems (4 x H200, commit
+                                                       a76066e). This path (the library's
+                                                       forward, s11's) is 0.77-2.40x FLA and
+                                                       0.47-5.27x FlashQLA (geomean 1.38x,
+                                                       0.81x); (16, 64) 1 x 32768: 1.750 ms,
+                                                       FlashQLA 1.538, FLA 3.455
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.

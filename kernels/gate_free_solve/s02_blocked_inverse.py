@@ -38,7 +38,20 @@ stable as the row-by-row one); A and the bf16 store are s01's. Checked on the CP
 emulation of this algorithm against ``torch.linalg.solve_triangular`` (the GPU test runs the
 public shapes and ``tests/test_reformulation.py`` the adversarial inputs and the flags).
 
-Measured effect: not yet measured on the GPU (to be timed as gdn_fwd.s12, s11 with this solve).
+On the GPU its first build passed the public problems and failed test_autocp's flagged chunks
+(inf): the flagged build wrote K K^T * Gamma on every row, and past a chunk's end g = 0, so
+exp2(g_i - g_j) overflowed there, and 0 * inf reached real rows through the diagonal block's
+product (X_ii's zero upper part times the padded rows' t). It now masks rows >= n, as s01 did, and
+passes (4 x H200: this stage 24, gdn_fwd.s11 24, the flags and adversarial tests).
+
+Measured effect (timed inside gdn_fwd.s11, which runs it beside s10's fused kernel; the benchmark,
+4 x H200, commit a76066e, CUDA-graph replay): where s11 keeps the sequences whole, s11 over s10 (the
+same kernels with s01's solve) is 1.02-1.08x with three or four value heads per key head ((16, 64)
+1 x 8192: 0.4665 against 0.4875 ms, about 20 of s01's 153 us saved), 0.98-1.01x with one (16, 16),
+and 0.96-0.97x on (16, 32) from 32768 tokens (1.07x at 2048). It is still well above its traffic
+floor and above FlashQLA's kkt_solve (115 us there); not yet profiled with Nsight Compute. With two
+value heads per CTA or fewer, s01's short per-head chains overlap across the many CTAs, and s02's
+extra multiply-adds and K K^T copy cost more than the chain they remove.
 
 Taught in: notebooks/04_reformulation.py
 """

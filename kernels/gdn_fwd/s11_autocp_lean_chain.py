@@ -33,7 +33,15 @@ should have both. The plan's cost model (``autocp.WARMUP_STEPS``) was fitted wit
 the chain; a step of s10's is shorter, so phase 1 weighs more against it: on (16, 16) 1x32768,
 which the rule splits, s10 alone (1.427 ms) was already faster than s08's split (1.494).
 
-Measured effect: to be measured on the GPU (the benchmark's s11 row).
+Measured effect (``python -m flashqla bench``, 4 x H200, commit a76066e, CUDA-graph replay, 40
+problems of eight head layouts, profiles/results/gdn_fwd.csv): 0.96-1.66x s10, geomean 1.05x.
+Where the plan keeps sequences whole, the difference is the solve (gate_free_solve.s02's docstring):
+1.02-1.08x with three or four value heads per key head, 0.98-1.01x with one, 0.96-0.97x on (16, 32)
+from 32768 tokens. The plan (``autocp.MIN_SAVED_CHUNKS`` = 100 since this stage was written) splits
+(2, 8) 1 x 32768 and 28672 + 4096 (1.66x and 1.34x s10), (4, 16) 1 x 32768 (1.08x) and (16, 16)
+1 x 32768, where it lost: 1.457 ms against s10's 1.415 (0.97x). The library runs this pipeline
+(with its varlen tables built once, by one kernel): 0.77-2.40x FLA (geomean 1.38x), 0.47-5.27x
+FlashQLA (geomean 0.81x); (16, 64) 1 x 32768 1.750 ms, 3.65x the floor, FlashQLA 1.538.
 
 Taught in: notebooks/05_autocp.py (AutoCP, with s06 and s08) and notebooks/04_reformulation.py (the
 fused kernel's lineage, s07)
