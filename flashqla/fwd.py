@@ -180,7 +180,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
             kkt_f = T.alloc_fragment((C, C), "float32")
-            x_col = T.alloc_local((NB * 8,), "float32")        # X[16 l + 8 half + q, col] at 8 l + q
+            x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
             t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
             acc = T.alloc_local((2,), "float32")               # two partial sums of a row
             row = T.alloc_local((1,), "float32")

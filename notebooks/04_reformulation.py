@@ -1660,9 +1660,10 @@ assert max(long32) < 1.0
 # %% [markdown]
 # The blocked solve pays where a CTA solves three or four value heads (it shares $K K^\top$ across a
 # key head's value heads, as s01 does): 2-8 % of the whole forward. With one it is even (0.98-1.01x),
-# and with two, on (16, 32), it loses 3-4 % from 32768 tokens (it gains at 2048): there the CTAs are
-# many and short, s01's chains overlap across them, and s02 does more multiply-adds (65,536 against
-# 43,680 a head) and one more $K K^\top$ copy per CTA. The library runs s02 for every layout;
+# and with two, on (16, 32), it loses 3-4 % from 32768 tokens (it gains at 2048). The likely reason,
+# not yet checked with a profile: there the CTAs are many and short, s01's chains overlap across
+# them, and s02 does more multiply-adds (65,536 against 43,680 a head) and one more $K K^\top$ copy
+# per CTA. The library runs s02 for every layout;
 # choosing the solve by $H_V / H$, and an Nsight Compute profile of both solves, come next.
 #
 # ## Summary

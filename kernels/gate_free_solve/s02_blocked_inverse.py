@@ -49,9 +49,10 @@ Measured effect (timed inside gdn_fwd.s11, which runs it beside s10's fused kern
 same kernels with s01's solve) is 1.02-1.08x with three or four value heads per key head ((16, 64)
 1 x 8192: 0.4665 against 0.4875 ms, about 20 of s01's 153 us saved), 0.98-1.01x with one (16, 16),
 and 0.96-0.97x on (16, 32) from 32768 tokens (1.07x at 2048). It is still well above its traffic
-floor and above FlashQLA's kkt_solve (115 us there); not yet profiled with Nsight Compute. With two
-value heads per CTA or fewer, s01's short per-head chains overlap across the many CTAs, and s02's
-extra multiply-adds and K K^T copy cost more than the chain they remove.
+floor and above FlashQLA's kkt_solve (115 us there); not yet profiled with Nsight Compute. A likely
+reason for the losses, not yet checked with a profile: with two value heads per CTA or fewer, the
+CTAs are many and short, s01's per-head chains overlap across them, and s02's extra multiply-adds
+and second K K^T copy cost more than the chain they remove.
 
 Taught in: notebooks/04_reformulation.py
 """
@@ -117,7 +118,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
             kkt_f = T.alloc_fragment((C, C), "float32")
-            x_col = T.alloc_local((NB * 8,), "float32")        # X[16 l + 8 half + q, col] at 8 l + q
+            x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
             t_col = T.alloc_local((BLOCK,), "float32")         # a level's row sums, both halves added
             acc = T.alloc_local((2,), "float32")               # two partial sums of a row
             row = T.alloc_local((1,), "float32")
