@@ -20,28 +20,28 @@ so step j has 63 - j independent multiply-adds and only s_j's last update, a mul
 subtract on the path to the next step. One lane owns one column and keeps its 64 pending sums
 s_i in registers; 64 lanes (two warps) solve a value head, and the CTA's four warps two value
 heads at once, in passes over the key head's value heads (K K^T is still computed once per key
-head, on wgmma). Column j of A is row j of K K^T (symmetric), read as a broadcast: all lanes of a
-head read the same 16 bytes. The warp that owns columns 32..63 starts at step 32 (its x_j are 0
+head, on wgmma). A's entries are read as broadcasts: all lanes of a head read the same 16 bytes.
+The warp that owns columns 32..63 starts at step 32 (its x_j are 0
 before), so its code is a second, shorter copy (Python-level loop over the two halves: every
 register index is a constant).
 
-The sources: src[0] is K K^T (symmetric, so its row j is column j of A before beta); a flagged
-head's slot reads src[1 + slot], built as the transpose of K K^T * Gamma below the diagonal, masked
-to rows < n (exp2 overflows past a chunk's end, where g is padded with 0: gate_free_solve.s02's
+The steps go in blocks of STEP_BLOCK = 4: the block's own rows first (a 4-row triangle), then
+every row below it takes the block's four terms at once (one LDS.128 of row i). The sources:
+src[0] is K K^T (row i holds a_i. before beta); a flagged head's slot reads src[1 + slot], built as
+K K^T * Gamma below the diagonal, masked to rows < n (exp2 overflows past a chunk's end, where g is padded with 0: gate_free_solve.s02's
 first bug). A lane stores each x_j as it is final, Ab_jc = x_j beta_c, straight to global memory
 (no staging buffer: 68.6 KB of shared memory, three CTAs an SM).
 
 The compile (nvcc 13.0, sm_90a, (16, 64)): nvcc hoists the unrolled steps' loads ahead of their
-multiply-adds; without a register cap that took 255 registers and still spilled. With
-``__launch_bounds__(128, 3)`` (MIN_CTAS_PER_SM, the shared-memory occupancy) it takes 168
-registers, with 130 spill loads and stores among 6,080 instructions (2,608 FFMA): a cost to
-measure, and the first thing to remove (a blocked right-looking order, 8 steps at a time, keeps
-fewer loads in flight).
+multiply-adds. One step at a time, with the source transposed, that took 255 registers and still
+spilled; with ``__launch_bounds__(128, 3)`` (MIN_CTAS_PER_SM, the shared-memory occupancy), 168
+registers and 130 spill instructions. In blocks of 4 steps: 168 registers, 37 spill instructions
+(13 before the solve) among 5,664 (2,606 FFMA); blocks of 8 and 16 spilled 61 and 97.
 
 Precision: the same products in fp32 summed in another order (each s_i in order of j, as
 s01's row sums), then s01's bf16 store. Checked in float64 on the CPU: the lanes' arithmetic
-(both halves' start, beta at finalize, the gated transposed source, rows past n) against the
-inverse, to 1e-16, on chunks of 64, 50, 37 and 1 rows.
+(both halves' start, the blocks of steps, beta at finalize, the gated source, rows past n) against
+the inverse, to 1e-16, on chunks of 64, 50, 37 and 1 rows.
 
 Measured effect: not yet run on the GPU (written after the session's GPU time was spent). What
 to measure: this stage's Nsight Compute profile beside s01's and s02's at (16, 64) 1 x 8192
@@ -70,6 +70,7 @@ HEAD_DIM = 128        # K
 HEAD_LANES = 64       # lanes that solve one value head (one column each): two warps
 HEAD_SLOTS = 2        # value heads solved at once by the CTA's 128 threads
 THREADS = HEAD_LANES * HEAD_SLOTS
+STEP_BLOCK = 4        # steps whose terms reach the rows below them together (2 LDS.128 a row)
 MIN_CTAS_PER_SM = 3   # __launch_bounds__(128, 3): 168 registers a thread, as many CTAs as the
                       # shared memory allows (nvcc hoists the unrolled steps' loads: 255 uncapped)
 GROWTH_LIMIT = 2.0    # beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
@@ -109,8 +110,8 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
 
             k_s = T.alloc_shared((C, K), "bfloat16")
-            # the solve's sources, row j = column j of A (before beta): [0] K K^T (symmetric),
-            # [1 + slot] (K K^T * Gamma)^T for a flagged head in that slot
+            # the solve's sources, A before beta (row i: a_i.): [0] K K^T, [1 + slot] K K^T * Gamma
+            # for a flagged head in that slot
             src_s = T.alloc_shared((1 + HEAD_SLOTS, C, C), "float32")
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
@@ -137,15 +138,15 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     flag_s[r] = 1
 
             for p in T.serial(passes):
-                # a flagged head's source: src[j, i] = a_ij = (K K^T)_ji exp2(g_i - g_j) for
-                # j < i < n (exponent <= 0), 0 elsewhere (exp2 overflows past the chunk's end)
+                # a flagged head's source: a_ij = (K K^T)_ij exp2(g_i - g_j) for j < i < n
+                # (exponent <= 0), 0 elsewhere (exp2 overflows past the chunk's end)
                 for sl in (0, 1):
                     if 2 * p + sl < R:
                         if flag_s[2 * p + sl] == 1:
-                            for j, i in T.Parallel(C, C):
-                                src_s[1 + sl, j, i] = T.if_then_else(
+                            for i, j in T.Parallel(C, C):
+                                src_s[1 + sl, i, j] = T.if_then_else(
                                     (j < i) & (i < n),
-                                    src_s[0, j, i] * T.exp2(g_s[2 * p + sl, i] - g_s[2 * p + sl, j]), 0)
+                                    src_s[0, i, j] * T.exp2(g_s[2 * p + sl, i] - g_s[2 * p + sl, j]), 0)
                 T.sync_threads()
 
                 # x <- (I + A)^-1 e_c, right-looking: x_j = [j == c] - beta_j s_j (stored at once as
@@ -160,12 +161,19 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                                 ab[bos + j, hv0 + r, c] = 0
                         for i in T.unroll(32 * half, C):
                             s_pending[i] = 0.0
-                        for j in T.unroll(32 * half, C):
-                            s_pending[j] = T.if_then_else(j == c, 1.0, 0.0) - beta_s[r, j] * s_pending[j]
-                            if j < n:
-                                ab[bos + j, hv0 + r, c] = s_pending[j] * beta_s[r, c]
-                            for i in T.unroll(j + 1, C):
-                                s_pending[i] = s_pending[i] + src_s[sel, j, i] * s_pending[j]
+                        for jb in T.unroll(32 * half // STEP_BLOCK, C // STEP_BLOCK):
+                            # the block's STEP_BLOCK steps, within its own rows
+                            for jj in T.unroll(STEP_BLOCK):
+                                j = STEP_BLOCK * jb + jj
+                                s_pending[j] = T.if_then_else(j == c, 1.0, 0.0) - beta_s[r, j] * s_pending[j]
+                                if j < n:
+                                    ab[bos + j, hv0 + r, c] = s_pending[j] * beta_s[r, c]
+                                for i in T.unroll(j + 1, STEP_BLOCK * jb + STEP_BLOCK):
+                                    s_pending[i] = s_pending[i] + src_s[sel, i, j] * s_pending[j]
+                            # then the rows below it, all of the block's terms at once
+                            for i in T.unroll(STEP_BLOCK * jb + STEP_BLOCK, C):
+                                for jj in T.unroll(STEP_BLOCK):
+                                    s_pending[i] = s_pending[i] + src_s[sel, i, STEP_BLOCK * jb + jj] * s_pending[STEP_BLOCK * jb + jj]
                 for sl in (0, 1):
                     if (2 * p + sl < R) & (t == 0):
                         gated[i_c, hv0 + 2 * p + sl] = flag_s[2 * p + sl]
