@@ -22,11 +22,17 @@ hold two chunks):
     chain instructions    1000     636     HGMMA 64x64x16 -> 64x32x16 (40 each)
     chain STSM              40      20
     output instructions    462     342
+    scores instructions   1436    1432     (718 and 716 a chunk: 8 HGMMA, 32 MUFU.EX2)
     registers (launch)     128     128     no spills, no stack frame
     shared memory        194 KB  154 KB    one CTA per SM either way
 
-The scores warpgroup's work does not depend on BV (Q K^T, Gamma, WY on 64 x 64 tiles): at BV = 32
-it may set the pace. The problems with many heads ((16, 48), (16, 64)) or several sequences keep
+The scores warpgroup's work does not depend on BV (Q K^T, Gamma, WY on 64 x 64 tiles), and it
+already issues more instructions a chunk than the chain at BV = 64 (718 against 500; it runs ahead
+of the chain by the two hand-off slots, so only its throughput matters). At BV = 32 it has more
+than twice the chain's (716 against 318) and may set the pace: if s12 gains less than the chain's
+shorter path suggests, the scores role (its stall samples at bar_wy_free / bar_scores_free) is
+where to look; its Gamma (32 exp2 a thread) and masks are the same for the V / BV CTAs of a head,
+which a cluster could compute once. The problems with many heads ((16, 48), (16, 64)) or several sequences keep
 BV = 64: at BV = 32 their CTAs would need a second wave.
 
 Measured effect: not yet run on the GPU (this stage was written after the session's GPU time was
