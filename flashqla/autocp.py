@@ -57,7 +57,8 @@ MIN_SAVED_CHUNKS = 100     # fixed device cost of the plan, phase 1's start and 
                            # its 128 on (4, 16) and (16, 16) 1 x 32768, where it won (1.05-1.14x)
 WARMUP_STEPS = 2           # phase 1's cost per chunk of a segment, in chunk steps of the fused
                            # kernel; fitted with s07's as the chain (segment_chunks' docstring), not
-                           # yet refitted to s10's, the promoted chain (forward 1.05-1.12x s07's)
+                           # refitted to s10's, the promoted chain (forward 1.05-1.13x s07's): with
+                           # it the split of (16, 16) 1 x 32768 lost (s11, 0.97x s10)
 CHUNK_SIZE = 64
 
 
@@ -95,9 +96,10 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     (0.96x on s07's chain, 0.97x on s05's): with the s07-family chains the fixed cost is more than the
     40 s03 steps above (40 of s03's are ~71 of s07's), so MIN_SAVED_CHUNKS is 100, between the
     model's savings of the losing case (80) and the winning ones (128 and more). autocp.csv's forced
-    splits of 4096 and 8192 tokens won with s03's slower chain; with s07's they do not. ``force``: False never splits, True splits with this L even
-    when J = 1, an int is L itself. (Eager calls add about 1.4 ms of host time that this does not
-    count.)
+    splits of 4096 and 8192 tokens won with s03's slower chain; with s07's they do not.
+
+    ``force``: False never splits, True splits with this L even when J = 1, an int is L itself.
+    (Eager calls add about 1.4 ms of host time that this does not count.)
     """
     if force is False or num_tokens == 0:
         return 0

@@ -118,10 +118,10 @@ def keep_fla_chunk_indices(n_sets: int) -> None:
     FLA_TENSOR_CACHE_SIZE entries (fla-core 0.6.0: 4). With more input sets than that, every
     graph capture (one call per set) recomputes evicted indices inside the capture, and that
     computation reads a count on the host (``torch.repeat_interleave``): the capture fails after FLA
-    has cached tensors from the graph's memory pool, which the failed capture frees. This is the
-    likely cause of the illegal memory access at FLA's first timed call on (2, 8) and (4, 16)
-    1x2048. Those are the only problems with more than 4 sets (11 and 6). Not yet confirmed on
-    a GPU."""
+    has cached tensors from the graph's memory pool, which the failed capture frees. That was the
+    illegal memory access at FLA's first timed call on (2, 8) and (4, 16) 1x2048, the only problems
+    with more than 4 sets (11 and 6): on an H200 (commit 3198fc1) FLA alone faulted there with the
+    default cache and replayed with it sized, and the bench then timed both layouts."""
     have = int(os.environ.get("FLA_TENSOR_CACHE_SIZE", "4"))
     fla_env = sys.modules.get("fla.utils.env")
     if fla_env is not None and fla_env.FLA_TENSOR_CACHE_SIZE < n_sets:
