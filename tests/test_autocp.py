@@ -52,6 +52,14 @@ def test_decision_rule():
     assert rule(8192, 1, 8192, 8, 132, 2) == 0                      # 8 x 16: saves 80 < 100 (lost 0.96x)
     assert rule(16384, 1, 16384, 8, 132, 2) == 32                   # 8 x 32: saves 160
     assert rule(8192, 1, 8192, 16, 132, 2) == 0                     # 4 x 32: saves 32
+    # the launch without a split at BV 32 (gdn_fwd.s13, the API): its steps take NARROW_STEP of a
+    # BV 64 step, so only larger savings split. 4 x H200, 4e37c66: (4, 16) and (16, 16) 1 x 32768 ran
+    # 1.08 and 1.10 ms unsplit at BV 32 (s12), 1.28 and 1.43 split (s11); (2, 8) 1 x 32768 and
+    # 28672 + 4096 ran 1.02 and 0.90 unsplit at BV 32, 0.81 and 0.85 split
+    narrow = dict(unsplit_step=autocp.NARROW_STEP)
+    assert rule(32768, 1, 32768, 16, 132, 2) == 128 and rule(32768, 1, 32768, 16, 132, 2, **narrow) == 0
+    assert rule(32768, 1, 32768, 8, 132, 2, **narrow) == 64
+    assert rule(32768, 2, 32768, 8, 132, 2, **narrow) == 74
     # forced
     assert rule(32768, 1, 32768, 8, 132, 2, force=False) == 0
     assert rule(32768, 1, 32768, 64, 132, 2, force=True) == 512     # on, but one segment: no gain

@@ -2,14 +2,15 @@
 
 What changed from s11: the chain is s12's fused kernel (s10's with the state's value columns per CTA
 a parameter), and both its launches choose BV with ``block_v`` (s12): the launch over whole
-sequences from the sequences, the one over segment rows from the rows. The plan counts the CTAs a
-head gets at the unsplit launch's BV (``ctas_per_head`` = V / BV), so with BV = 32 it sees twice the
-lanes and splits less eagerly. The solve is s11's (gate_free_solve.s02). The pipeline is otherwise
-s11's line for line:
+sequences from the sequences, the one over segment rows from the rows. The plan cuts segments as
+s11's does (V / 64 CTAs a head), and where the launch without a split would run at BV = 32 it
+weighs that launch's chunk steps by ``autocp.NARROW_STEP`` (0.77 of a step at BV = 64, measured),
+so a split must beat the narrow launch, not the wide one. The solve is s11's
+(gate_free_solve.s02). The pipeline is otherwise s11's line for line:
 
     preparation  g_cum (chunk_local_cumsum.s01), then Ab and gated (``SOLVE``: gate_free_solve.s02)
-    plan         ``flashqla.autocp.plan`` with V / BV CTAs a head; no split: s12's kernel over the
-                 sequences (its own BV), done
+    plan         ``flashqla.autocp.plan`` with V / 64 CTAs a head and the narrow launch's step;
+                 no split: s12's kernel over the sequences (its own BV), done
     phase 1      s06's warm-up kernel on chunk_fwd_intra.s01's w, u, as in s08 and s11
     phase 2      ``flashqla.autocp.segment_initial_states``: h_j = Z_j + M_j h_{j-1}
     phase 3      s12's kernel over the segment rows at the rows' BV, each from its h_j, reading
@@ -62,7 +63,9 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ab, gated = stages.load(*SOLVE).solve(k, beta, g_cum, cu_seqlens)
     sms = autocp.num_sms(device)
     num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    p = autocp.plan(cu_seqlens, B, T, HV, sms, V // chain.block_v(num_seqs, HV, V, sms), device, force=cp)
+    narrow = chain.block_v(num_seqs, HV, V, sms) == chain.NARROW_BLOCK_V
+    p = autocp.plan(cu_seqlens, B, T, HV, sms, V // chain.BLOCK_V, device, force=cp,
+                    unsplit_step=autocp.NARROW_STEP if narrow else 1.0)
     if p is None:
         o, ht = chain.fused_reform(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale)
         return o, (ht if output_final_state else None)
