@@ -35,8 +35,9 @@ import torch
 from flashqla import bench, stages
 from flashqla.testing import Problem
 
-PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 64, (32768,)), Problem(16, 16, (8192,)),
-            Problem(2, 8, (8192,)), Problem(16, 64, (2048,))]
+PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 64, (32768,)), Problem(16, 64, (4096,) * 8),
+            Problem(16, 16, (8192,)), Problem(16, 16, (32768,)), Problem(2, 8, (8192,)),
+            Problem(16, 64, (2048,))]
 CALLS, WARMUP = 10, 3
 TOP = 8  # kernels kept per (problem, implementation), the largest
 METHOD = f"torch.profiler CUDA device time, mean of {CALLS} eager calls after {WARMUP} warm-up calls"

@@ -4,7 +4,8 @@ On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
     python3 profiles/ncu_lab.py profile STAGE_ID OUT.csv [--commit SHA]
 
-STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``. The
+STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``, or
+``FlashQLA`` for the peer's forward (its kernels, inside an NVTX range of that name). The
 ``profile`` step runs, as a child process,
 
     ncu --nvtx --nvtx-include "flashqla@STAGE_ID/" --profile-from-start off --clock-control none
@@ -82,18 +83,33 @@ def find_stage(stage_id: str):
     raise SystemExit(f"ncu_lab: no stage `{stage_id}`; have {[s.id for s in discover()]}")
 
 
+def flashqla_peer(**inputs):
+    """FlashQLA's forward (flash-qla's ``chunk_gated_delta_rule``) inside an NVTX range of its own
+    name, so that it is profiled as a stage is: the id ``FlashQLA``."""
+    import flash_qla
+
+    from flashqla.nvtx import nvtx_range
+
+    with nvtx_range("FlashQLA"):
+        return flash_qla.chunk_gated_delta_rule(**inputs)
+
+
 def target(stage_id: str) -> None:
     """The profiled process: one untimed call, then one call inside the profiler window."""
     import torch
 
     from flashqla.testing import Problem, op_inputs
 
-    stage = find_stage(stage_id)
-    inputs = op_inputs(stage.op, Problem(*PROBLEM_ARGS).inputs("cuda"))
-    stage.module.run(**inputs)
+    if stage_id == "FlashQLA":
+        op, run = "gdn_fwd", flashqla_peer
+    else:
+        stage = find_stage(stage_id)
+        op, run = stage.op, stage.module.run
+    inputs = op_inputs(op, Problem(*PROBLEM_ARGS).inputs("cuda"))
+    run(**inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    stage.module.run(**inputs)
+    run(**inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
