@@ -3,10 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s11's:
-gate_free_solve.s02's blocked solve and s10's fused kernel (s07's reformulated, warp-specialized
-kernel with a lean chain) with AutoCP
-(s06's plan and warm-up, as in s08). Its kernels (measurements from each stage's docstring and
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s13's:
+gate_free_solve.s02's blocked solve and s12's fused kernel (s07's reformulated, warp-specialized
+kernel with a lean chain, s10, at 32 or 64 value columns a CTA per launch) with AutoCP (s06's
+plan and warm-up, as in s08; a split must beat the narrow launch, ``autocp.NARROW_STEP``). Its kernels (measurements from each stage's docstring and
 ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
@@ -37,22 +37,25 @@ kernel with a lean chain) with AutoCP
                                                                   (s11, commit a76066e) 1.08-1.66x
                                                                   on (2, 8) and (4, 16) from 32768
                                                                   tokens, 0.97x on (16, 16)
-                                                                  1 x 32768
-    gdn_fwd.s10 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
+                                                                  1 x 32768; with s12's (s13,
+                                                                  commit 7ccb1ae) only (2, 8) from
+                                                                  32768 tokens splits, 1.05-1.26x
+                                                                  the narrow launch alone
+    gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
                                                        warp-specialized kernel (chain, scores,
                                                        output and producer warpgroups, mbarrier
                                                        hand-offs), the chain's per-chunk path
-                                                       without mask or exp (the producer writes
-                                                       exp(g), exp(g_C - g)), its hand-offs by
-                                                       stmatrix; s10's forward is 1.05-1.13x
-                                                       s07's on 40 problems (4 x H200, commit
-                                                       a76066e). This path (the library's
-                                                       forward, s11's) is 0.77-2.40x FLA and
-                                                       0.47-5.27x FlashQLA (geomean 1.38x,
-                                                       0.81x); (16, 64) 1 x 32768: 1.750 ms,
-                                                       FlashQLA 1.538, FLA 3.455
+                                                       without mask or exp (s10: 1.05-1.14x s07's
+                                                       forward), BV = 32 value columns a CTA where
+                                                       the narrow CTAs fit one wave, else 64
+                                                       (``block_v``; s12: 1.16-1.32x s10 on the 21
+                                                       problems that go narrow). This path (s13's,
+                                                       4 x H200, commit 7ccb1ae) is 0.92-2.35x FLA
+                                                       and 0.49-6.30x FlashQLA (geomean 1.51x,
+                                                       0.90x); (16, 64) 1 x 32768: 1.739 ms,
+                                                       FlashQLA 1.532, FLA 3.456
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.

@@ -54,7 +54,9 @@ kernel under the sloped part is bound by DRAM bandwidth, under the flat part by 
 and its distance below the roof is what is left on the table. Kernels with no tensor FLOPs cannot
 sit on it; the second panel places every kernel by DRAM bytes and time alone (GB/s against the
 copy roof). The roofs are those of the first CSV. Committed in ``profiles/results/``:
-``ncu_gdn_fwd_s00.csv``, ``ncu_chunk_kkt_s01.csv`` and their ``ncu_roofline.png``.
+``ncu_gdn_fwd_s00.csv``, ``ncu_chunk_kkt_s01.csv`` and their ``ncu_roofline.png``; also the fused
+kernels of s03, s05, s07 and s12 (``ncu_gdn_fwd_sNN.csv``), the three gate-free solves
+(``ncu_gate_free_solve_sNN.csv``) and FlashQLA's forward (``ncu_flashqla.csv``).
 """
 
 import argparse

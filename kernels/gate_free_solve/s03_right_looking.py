@@ -43,13 +43,15 @@ s01's row sums), then s01's bf16 store. Checked in float64 on the CPU: the lanes
 (both halves' start, the blocks of steps, beta at finalize, the gated source, rows past n) against
 the inverse, to 1e-16, on chunks of 64, 50, 37 and 1 rows.
 
-Measured effect: not yet run on the GPU (written after the session's GPU time was spent). What
-to measure: this stage's Nsight Compute profile beside s01's and s02's at (16, 64) 1 x 8192
-(profiles/ncu_lab.py) and its time inside a gdn_fwd stage. Expected: instruction issue rather
-than latency bound; about 2,500 multiply-adds a head for the warp pair (2,016 + 496) where s02's
-warps issue about the same count with a 16-row chain and syncs between.
+Measured effect: slower than s02. Nsight Compute on (16, 64) 1 x 8192 (``profiles/ncu_lab.py``, one
+H200, commit 4e37c66; ``profiles/results/ncu_gate_free_solve_s0N.csv``): s01 154 us, s02 129,
+this stage 141. Its GPU tests (stage, flags, partial chunks) pass. It is still latency-bound, not
+issue-bound as expected: ``barrier`` is the top stall (2.73 warps a issued instruction, against
+s02's 2.35), occupancy 18 % as s02 (168 registers, 3 CTAs an SM), and the register-resident column
+costs spills. The row chain was not what limited s02; the syncs between a pass's phases and the
+CTAs' occupancy are. The library keeps s02; no gdn_fwd stage reads this one.
 
-Taught in: notebooks/04_reformulation.py (s01 and s02; this stage is not yet taught there)
+Taught in: notebooks/04_reformulation.py ("A right-looking solve")
 """
 
 import functools

@@ -35,13 +35,16 @@ where to look; its Gamma (32 exp2 a thread) and masks are the same for the V / B
 which a cluster could compute once. The problems with many heads ((16, 48), (16, 64)) or several sequences keep
 BV = 64: at BV = 32 their CTAs would need a second wave.
 
-Measured effect: not yet run on the GPU (this stage was written after the session's GPU time was
-spent). What to measure: s12 beside s10 in one ``python -m flashqla bench`` run, all head layouts;
-expected to gain on the single sequences of (2, 8), (4, 16), (16, 16), (16, 32), (8, 24), (8, 32),
-and to equal s10 where ``block_v`` keeps 64.
+Measured effect (``python -m flashqla bench``, all 40 problems, 4 x H200, commit 7ccb1ae, CUDA-graph
+replay): 1.16-1.32x s10 on the 21 problems where ``block_v`` goes narrow (the single sequences of
+every layout but (16, 48) and (16, 64), and 28672 + 4096 of (2, 8), (4, 16), (16, 16)), the most
+on (2, 8) and (16, 16) from 8192 tokens; 1.00-1.01x elsewhere (the same kernel). The scores
+warpgroup did not set the pace enough to cancel the chain's gain. Nsight Compute at BV = 64 on
+(16, 64) 1 x 8192 (``profiles/results/ncu_gdn_fwd_s12.csv``): 320 us, tensor pipe 29 % busy,
+``long_scoreboard`` the top stall; FlashQLA's fused kernel there: 282 us, 32 %
+(``ncu_flashqla.csv``).
 
-Taught in: notebooks/04_reformulation.py (s10's kernel; this stage's choice of BV is not yet
-taught there)
+Taught in: notebooks/04_reformulation.py ("Narrow CTAs for few heads")
 """
 
 import functools

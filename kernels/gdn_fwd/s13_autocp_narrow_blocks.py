@@ -19,9 +19,12 @@ so a split must beat the narrow launch, not the wide one. The solve is s11's
 Why: s12 targets the single sequences with few value heads, which are also where AutoCP splits;
 the two must be planned together (a split fills the SMs with segments, a narrow BV with CTAs).
 
-Measured effect: not yet run on the GPU (written after the session's GPU time was spent; s12,
-which it runs, is not yet measured either). What to measure: s13 beside s11 and s12 in one
-``python -m flashqla bench`` run; if it wins, promote it (flashqla/fwd.py) in place of s11.
+Measured effect (``python -m flashqla bench``, all 40 problems, 4 x H200, commit 7ccb1ae): 1.00-1.28x
+s11 (geomean 1.10x); the faster of s11 (split) and s12 (narrow) wherever they differ: (2, 8)
+1 x 32768 0.803 ms (s11 0.805, s12 1.009), (4, 16) 1 x 32768 1.054 (s11 1.311, s12 1.078). The
+first build planned segments for the narrow CTAs (V / 32 CTAs a head) and split (2, 8) 1 x 32768
+into 4 long segments: 1.05 ms against s11's 0.81 (commit 4e37c66); hence the plan above. The
+library's forward runs this pipeline (``flashqla/fwd.py``).
 
 Taught in: notebooks/05_autocp.py (AutoCP) and notebooks/04_reformulation.py (the fused kernel)
 """
