@@ -59,11 +59,15 @@ WARMUP_STEPS = 2           # phase 1's cost per chunk of a segment, in chunk ste
                            # kernel; fitted with s07's as the chain (segment_chunks' docstring), not
                            # refitted to s10's, the promoted chain (forward 1.05-1.13x s07's): with
                            # it the split of (16, 16) 1 x 32768 lost (s11, 0.97x s10)
+NARROW_STEP = 0.77         # a chunk step of gdn_fwd.s12's chain at BV 32, in its steps at BV 64: s12
+                           # against s10 (no split either) on the single sequences of (2, 8), (4, 16),
+                           # (16, 16) x 32768 tokens took 0.76-0.79x the time (4 x H200, 4e37c66)
 CHUNK_SIZE = 64
 
 
 def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_heads: int,
-                   num_sms: int, ctas_per_head: int, force: bool | int | None = None) -> int:
+                   num_sms: int, ctas_per_head: int, force: bool | int | None = None,
+                   unsplit_step: float = 1.0) -> int:
     """The decision rule: chunks per segment L, or 0 for no split. Host integers only.
 
     Without CP the chain kernel runs lanes = num_heads x ctas_per_head CTAs per sequence, each as
@@ -98,6 +102,12 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     model's savings of the losing case (80) and the winning ones (128 and more). autocp.csv's forced
     splits of 4096 and 8192 tokens won with s03's slower chain; with s07's they do not.
 
+    ``unsplit_step``: a chunk step of the launch without CP in the split's steps; NARROW_STEP where
+    that launch runs narrower CTAs than the split's (gdn_fwd.s13: BV 32 on one wave, the segments
+    at BV 64), which makes the split's saving smaller. Without it, s12's BV 32 on (4, 16) and
+    (16, 16) 1 x 32768 would be split as at BV 64, where the unsplit BV 32 launch is faster (s12
+    1.08 and 1.10 ms against s11's split 1.28 and 1.43; 4 x H200, 4e37c66).
+
     ``force``: False never splits, True splits with this L even when J = 1, an int is L itself.
     (Eager calls add about 1.4 ms of host time that this does not count.)
     """
@@ -115,7 +125,8 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     L = max(MIN_SEGMENT_CHUNKS, -(-longest // MAX_SEGMENTS), fit)
     J = -(-longest // L)
     L = -(-longest // J)                               # J segments of (nearly) equal length
-    if force is None and (J < MIN_SEGMENTS or longest - (1 + WARMUP_STEPS) * L < MIN_SAVED_CHUNKS):
+    if force is None and (J < MIN_SEGMENTS
+                          or unsplit_step * longest - (1 + WARMUP_STEPS) * L < MIN_SAVED_CHUNKS):
         return 0
     return L
 
@@ -140,15 +151,17 @@ _last_plan: dict = {}
 
 
 def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: int, num_sms: int,
-         ctas_per_head: int, device: torch.device, force: bool | int | None = None) -> Plan | None:
+         ctas_per_head: int, device: torch.device, force: bool | int | None = None,
+         unsplit_step: float = 1.0) -> Plan | None:
     """The segment table for inputs [batch, seqlen] (or varlen ``cu_seqlens`` with batch 1), or None
-    when ``segment_chunks`` decides not to split. Built on the device; the last plan is returned
+    when ``segment_chunks`` decides not to split (``unsplit_step``: see there). Built on the device; the last plan is returned
     again for the same, unmodified ``cu_seqlens`` tensor, and built anew inside CUDA-graph capture
     (as ``flashqla.varlen.chunk_table``)."""
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     num_tokens = batch * seqlen
     longest = seqlen if cu_seqlens is None else num_tokens
-    L = segment_chunks(num_tokens, num_seqs, longest, num_heads, num_sms, ctas_per_head, force)
+    L = segment_chunks(num_tokens, num_seqs, longest, num_heads, num_sms, ctas_per_head, force,
+                       unsplit_step)
     if not L or num_seqs == 0:
         return None
     if capturing(device):

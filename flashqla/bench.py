@@ -328,10 +328,11 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
     # JIT-compile our TileLang rows (the stages and the API) for every head configuration, all on
-    # threads (one run hung compiling in the main thread after a threaded warm-up); the peers
-    # compile or autotune in their first, untimed call
-    jobs = [(fn, problem_inputs(Problem(H, HV, (70,)), 0, training)) for H, HV in heads
-            for name, fn, _ in cands if name not in mode.peers]
+    # threads (one run hung compiling in the main thread after a threaded warm-up), on one sequence
+    # and on nine (the fused kernel's two widths, gdn_fwd.s12's ``block_v``); the peers compile or
+    # autotune in their first, untimed call
+    jobs = [(fn, problem_inputs(Problem(H, HV, lengths), 0, training)) for H, HV in heads
+            for lengths in ((70,), (70,) * 9) for name, fn, _ in cands if name not in mode.peers]
     def compile_row(job):
         try:
             job[0](job[1])

@@ -3,10 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s11's:
-gate_free_solve.s02's blocked solve and s10's fused kernel (s07's reformulated, warp-specialized
-kernel with a lean chain) with AutoCP
-(s06's plan and warm-up, as in s08). Its kernels (measurements from each stage's docstring and
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s13's:
+gate_free_solve.s02's blocked solve and s12's fused kernel (s07's reformulated, warp-specialized
+kernel with a lean chain, s10, at 32 or 64 value columns a CTA per launch) with AutoCP (s06's
+plan and warm-up, as in s08; a split must beat the narrow launch, ``autocp.NARROW_STEP``). Its kernels (measurements from each stage's docstring and
 ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
@@ -37,22 +37,25 @@ kernel with a lean chain) with AutoCP
                                                                   (s11, commit a76066e) 1.08-1.66x
                                                                   on (2, 8) and (4, 16) from 32768
                                                                   tokens, 0.97x on (16, 16)
-                                                                  1 x 32768
-    gdn_fwd.s10 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
+                                                                  1 x 32768; with s12's (s13,
+                                                                  commit 7ccb1ae) only (2, 8) from
+                                                                  32768 tokens splits, 1.05-1.26x
+                                                                  the narrow launch alone
+    gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
                                                        warp-specialized kernel (chain, scores,
                                                        output and producer warpgroups, mbarrier
                                                        hand-offs), the chain's per-chunk path
-                                                       without mask or exp (the producer writes
-                                                       exp(g), exp(g_C - g)), its hand-offs by
-                                                       stmatrix; s10's forward is 1.05-1.13x
-                                                       s07's on 40 problems (4 x H200, commit
-                                                       a76066e). This path (the library's
-                                                       forward, s11's) is 0.77-2.40x FLA and
-                                                       0.47-5.27x FlashQLA (geomean 1.38x,
-                                                       0.81x); (16, 64) 1 x 32768: 1.750 ms,
-                                                       FlashQLA 1.538, FLA 3.455
+                                                       without mask or exp (s10: 1.05-1.14x s07's
+                                                       forward), BV = 32 value columns a CTA where
+                                                       the narrow CTAs fit one wave, else 64
+                                                       (``block_v``; s12: 1.16-1.32x s10 on the 21
+                                                       problems that go narrow). This path (s13's,
+                                                       4 x H200, commit 7ccb1ae) is 0.92-2.35x FLA
+                                                       and 0.49-6.30x FlashQLA (geomean 1.51x,
+                                                       0.90x); (16, 64) 1 x 32768: 1.739 ms,
+                                                       FlashQLA 1.532, FLA 3.456
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization.
@@ -78,7 +81,9 @@ HEAD_DIM = 128        # K = V: the only head dims the kernels take
 THREADS = 128         # one warpgroup (gate_free_solve, chunk_fwd_intra; the warm-up kernel, TileLang
                       # adds a producer)
 GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
-BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel
+BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel, where
+                      # the CTAs fill the SMs
+NARROW_BLOCK_V = 32   # ... and where BLOCK_V would leave SMs idle (``block_v``): twice the CTAs
 BLOCK = 64            # state columns per CTA of the warm-up kernel
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks, one block column per warp
 LOG2E = 1.4426950408889634
@@ -475,12 +480,19 @@ def chunk_parts(num_seq_chunks):
             (num_seq_chunks - 1, 1, HANDOFF_SLOTS[:1], num_seq_chunks % 2 == 1))
 
 
-def fused_reform_kernel(H: int, HV: int, K: int, V: int):
-    """The T.prim_func for H key heads, HV value heads, head dims K, V; any token or sequence count."""
+def block_v(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
+    """BV for a launch of the fused kernel (gdn_fwd.s12's rule), host integers only: NARROW_BLOCK_V
+    when its CTAs (num_seqs x HV x V / BV, one per SM) still fit one wave, else BLOCK_V."""
+    return NARROW_BLOCK_V if num_seqs * HV * (V // NARROW_BLOCK_V) <= num_sms else BLOCK_V
+
+
+def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
+    """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
+    state per CTA (BLOCK_V or NARROW_BLOCK_V); any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
-    C, BV = CHUNK_SIZE, BLOCK_V
+    C = CHUNK_SIZE
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
@@ -726,7 +738,10 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     with nvtx_range("fwd.gate_free_solve"):
         _compiled(gate_free_solve_kernel, H, HV, HV // H)(k, beta, g_cum, chunks, ab, gated)
 
-    p = autocp.plan(cu_seqlens, B, T, HV, autocp.num_sms(device), V // BLOCK_V, device, force=cp)
+    sms = autocp.num_sms(device)
+    narrow = block_v(N, HV, V, sms) == NARROW_BLOCK_V  # then the split must beat BV 32's shorter steps
+    p = autocp.plan(cu_seqlens, B, T, HV, sms, V // BLOCK_V, device, force=cp,
+                    unsplit_step=autocp.NARROW_STEP if narrow else 1.0)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
         # phase 1: w, u (the warm-up kernel's chain reads them), then Z (and M for exact heads) of
@@ -744,9 +759,10 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
     ht = torch.empty(h0.shape, **fp32)
+    BV = block_v(seqs.shape[0] - 1, HV, V, sms)        # segment rows count as sequences
     with nvtx_range("fwd.chunk_h_o"):
-        _compiled(fused_reform_kernel, H, HV, K, V)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
-                                                    scale, o, ht)
+        _compiled(fused_reform_kernel, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs,
+                                                        first_chunk, scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -302,7 +302,8 @@ print(inspect.getsource(s06.forward))
 # segment starts on a chunk boundary of its sequence, segment $j$ of sequence $n$ starts at that
 # sequence's first row plus $jL$, which the plan carries as `first_chunk`. `gdn_fwd.s11` is s08
 # with s10's kernel as the chain: s07's with the chain's per-chunk path made lean, the same
-# interface. The library's forward (`flashqla/fwd.py`) is s11's.
+# interface. `gdn_fwd.s13` runs s12's kernel, which picks its value columns per CTA by launch
+# (section 6); the library's forward (`flashqla/fwd.py`) is s13's.
 
 # %%
 print(load("gdn_fwd", 8).__doc__.strip().splitlines()[0])
@@ -397,6 +398,41 @@ assert agree and all(agree)
 # splits those. The rerun with (2, 8) and (4, 16) (commit 3198fc1) showed that (2, 8) 1 x 8192 lost
 # too (0.96x), where the model saves 80 steps, while (4, 16) and (16, 16) 1 x 32768 won (1.14x and
 # 1.05x) with 128: the fixed cost is now set between, `MIN_SAVED_CHUNKS` = 100, and the table
-# above (commit a76066e, 4 x H200) is timed with that rule. With s10's chain, faster still, the
-# split of (16, 16) 1 x 32768 no longer pays: s11 there took 1.457 ms against s10's 1.415 (with
+# above (commit 7ccb1ae, 4 x H200) is timed with that rule. With s10's chain, faster still, the
+# split of (16, 16) 1 x 32768 no longer pays: s11 there took 1.424 ms against s10's 1.418 (with
 # a solve that is no faster at one value head per key head, `gate_free_solve.s02`'s docstring).
+#
+# ## 6. Narrow CTAs or segments: `gdn_fwd.s13`
+#
+# Chapter 4's s12 fills idle SMs another way: where a launch's CTAs at 64 value columns leave SMs
+# idle, it runs CTAs of 32 columns, twice as many, each a chain step of about 0.77 of the wide one's
+# time. The two compete for the same idle SMs, so s13 plans them together. Its first build planned
+# segments for the narrow CTAs (V / 32 = 4 a head), which split (2, 8) 1 x 32768 into four long
+# segments and lost (1.05 ms against s11's 0.81). Now the plan cuts segments as s11's does (2 CTAs a
+# head) and weighs the unsplit launch's steps by `autocp.NARROW_STEP` = 0.77 when that launch would
+# run narrow, so a split must beat the narrow launch, not the wide one: it still splits (2, 8) at
+# 32768 tokens, no longer (4, 16) or (16, 16), where the narrow launch alone is faster. The
+# measured rows (s12: narrow, never split; s11: wide, split by the old rule):
+
+# %%
+rows_fwd = bench.read_csv(bench.RESULTS / "gdn_fwd.csv")
+ms_fwd = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in rows_fwd if r["ms"]}
+s13 = load("gdn_fwd", 13)
+print(f"{'problem':22s} {'s11':>7s} {'s12':>7s} {'s13':>7s}  rule (narrow launch)")
+for label in ("(2, 8) 1x32768", "(2, 8) 28672+4096", "(4, 16) 1x32768", "(16, 16) 1x32768"):
+    _, hv, lens = bench.heads_and_lengths(label)
+    L = autocp.segment_chunks(sum(lens), len(lens), sum(lens), hv, 132, 2, unsplit_step=autocp.NARROW_STEP)
+    t = {n: ms_fwd[label, n] for n in ("s11", "s12", "s13")}
+    print(f"{label:22s} {t['s11']:7.3f} {t['s12']:7.3f} {t['s13']:7.3f}  {'L = ' + str(L) if L else 'off'}")
+    # the rule splits exactly where the split (s11) beat the narrow launch (s12), and s13 takes the faster
+    assert bool(L) == (t["s11"] < t["s12"]) and t["s13"] < 1.02 * min(t["s11"], t["s12"])
+
+# %% [markdown]
+# s13 takes the faster of the two on each (its solve, `gate_free_solve.s02`, is s11's; s12 runs s01's,
+# which is why s13 is a little ahead of s12 where neither splits). FlashQLA still runs these problems
+# about twice as fast ((2, 8) 1 x 32768: 0.39 ms against 0.80). On (16, 16) 1 x 32768
+# (`profiles/results/kernel_split.csv`) FlashQLA splits, and its fused kernel over the segments takes
+# 208 us after a 290 us warm-up (`prepare_h`) and a 31 us correction, where our unsplit narrow launch
+# takes 903 us: its split runs 128 value columns a CTA, one CTA a (segment, head), so at the same SM
+# count it has twice as many segments as ours, each half as long, and our fused kernel has no
+# 128-column form yet (its chain holds the state in one warpgroup's registers: 64 columns at most).

@@ -18,10 +18,9 @@ implementation, kernel) for its TOP = 8 largest kernels:
 plus the provenance columns of ``flashqla.bench.versions``. Eager calls: kernels that a CUDA graph
 would replay are the same, but host-side gaps are not in these sums.
 
-``profiles/results/kernel_split.csv`` holds one run of this procedure on one H200 at commit c98e3fb,
-when the newest stage was gdn_fwd.s10 and the entry point ran s07's kernel after
-gate_free_solve.s01 (it was run as a one-off script, and its printed rows transcribed; this lab was
-written from that script after the run).
+``profiles/results/kernel_split.csv`` holds one run of this lab on one H200 at commit 05f6295, when the
+newest stage was gdn_fwd.s13 and the entry point ran s13's pipeline (an earlier run, at c98e3fb,
+with s10 and gate_free_solve.s01, is quoted in notebook 04).
 """
 
 import argparse
@@ -35,8 +34,9 @@ import torch
 from flashqla import bench, stages
 from flashqla.testing import Problem
 
-PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 64, (32768,)), Problem(16, 16, (8192,)),
-            Problem(2, 8, (8192,)), Problem(16, 64, (2048,))]
+PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 64, (32768,)), Problem(16, 64, (4096,) * 8),
+            Problem(16, 16, (8192,)), Problem(16, 16, (32768,)), Problem(2, 8, (8192,)),
+            Problem(16, 64, (2048,))]
 CALLS, WARMUP = 10, 3
 TOP = 8  # kernels kept per (problem, implementation), the largest
 METHOD = f"torch.profiler CUDA device time, mean of {CALLS} eager calls after {WARMUP} warm-up calls"

@@ -4,7 +4,8 @@ On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
     python3 profiles/ncu_lab.py profile STAGE_ID OUT.csv [--commit SHA]
 
-STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``. The
+STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``, or
+``FlashQLA`` for the peer's forward (its kernels, inside an NVTX range of that name). The
 ``profile`` step runs, as a child process,
 
     ncu --nvtx --nvtx-include "flashqla@STAGE_ID/" --profile-from-start off --clock-control none
@@ -53,7 +54,9 @@ kernel under the sloped part is bound by DRAM bandwidth, under the flat part by 
 and its distance below the roof is what is left on the table. Kernels with no tensor FLOPs cannot
 sit on it; the second panel places every kernel by DRAM bytes and time alone (GB/s against the
 copy roof). The roofs are those of the first CSV. Committed in ``profiles/results/``:
-``ncu_gdn_fwd_s00.csv``, ``ncu_chunk_kkt_s01.csv`` and their ``ncu_roofline.png``.
+``ncu_gdn_fwd_s00.csv``, ``ncu_chunk_kkt_s01.csv`` and their ``ncu_roofline.png``; also the fused
+kernels of s03, s05, s07 and s12 (``ncu_gdn_fwd_sNN.csv``), the three gate-free solves
+(``ncu_gate_free_solve_sNN.csv``) and FlashQLA's forward (``ncu_flashqla.csv``).
 """
 
 import argparse
@@ -82,18 +85,33 @@ def find_stage(stage_id: str):
     raise SystemExit(f"ncu_lab: no stage `{stage_id}`; have {[s.id for s in discover()]}")
 
 
+def flashqla_peer(**inputs):
+    """FlashQLA's forward (flash-qla's ``chunk_gated_delta_rule``) inside an NVTX range of its own
+    name, so that it is profiled as a stage is: the id ``FlashQLA``."""
+    import flash_qla
+
+    from flashqla.nvtx import nvtx_range
+
+    with nvtx_range("FlashQLA"):
+        return flash_qla.chunk_gated_delta_rule(**inputs)
+
+
 def target(stage_id: str) -> None:
     """The profiled process: one untimed call, then one call inside the profiler window."""
     import torch
 
     from flashqla.testing import Problem, op_inputs
 
-    stage = find_stage(stage_id)
-    inputs = op_inputs(stage.op, Problem(*PROBLEM_ARGS).inputs("cuda"))
-    stage.module.run(**inputs)
+    if stage_id == "FlashQLA":
+        op, run = "gdn_fwd", flashqla_peer
+    else:
+        stage = find_stage(stage_id)
+        op, run = stage.op, stage.module.run
+    inputs = op_inputs(op, Problem(*PROBLEM_ARGS).inputs("cuda"))
+    run(**inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    stage.module.run(**inputs)
+    run(**inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 

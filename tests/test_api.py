@@ -228,7 +228,8 @@ def compiled_kernels():
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
         (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.gate_free_solve_kernel, H, HV, HV // H),
-        (fwd, fwd.fused_reform_kernel, H, HV, 128, 128), (bwd, bwd.walk_kernel, H, HV, bwd.BV),
+        *((fwd, fwd.fused_reform_kernel, H, HV, 128, 128, bv) for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V)),
+        (bwd, bwd.walk_kernel, H, HV, bwd.BV),
         *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
                                     bwd.finish_kernel)))]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # each module's cache, with its options

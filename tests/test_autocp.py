@@ -52,6 +52,14 @@ def test_decision_rule():
     assert rule(8192, 1, 8192, 8, 132, 2) == 0                      # 8 x 16: saves 80 < 100 (lost 0.96x)
     assert rule(16384, 1, 16384, 8, 132, 2) == 32                   # 8 x 32: saves 160
     assert rule(8192, 1, 8192, 16, 132, 2) == 0                     # 4 x 32: saves 32
+    # the launch without a split at BV 32 (gdn_fwd.s13, the API): its steps take NARROW_STEP of a
+    # BV 64 step, so only larger savings split. 4 x H200, 4e37c66: (4, 16) and (16, 16) 1 x 32768 ran
+    # 1.08 and 1.10 ms unsplit at BV 32 (s12), 1.28 and 1.43 split (s11); (2, 8) 1 x 32768 and
+    # 28672 + 4096 ran 1.02 and 0.90 unsplit at BV 32, 0.81 and 0.85 split
+    narrow = dict(unsplit_step=autocp.NARROW_STEP)
+    assert rule(32768, 1, 32768, 16, 132, 2) == 128 and rule(32768, 1, 32768, 16, 132, 2, **narrow) == 0
+    assert rule(32768, 1, 32768, 8, 132, 2, **narrow) == 64
+    assert rule(32768, 2, 32768, 8, 132, 2, **narrow) == 74
     # forced
     assert rule(32768, 1, 32768, 8, 132, 2, force=False) == 0
     assert rule(32768, 1, 32768, 64, 132, 2, force=True) == 512     # on, but one segment: no gain
@@ -356,14 +364,14 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
     assert n_warm > 0
 
 
-# ---- gdn_fwd.s06, s08 and s11 on the GPU -------------------------------------------------------
+# ---- gdn_fwd.s06, s08, s11 and s13 on the GPU -----------------------------------------------
 
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11], ids=["s06", "s08", "s11"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13], ids=["s06", "s08", "s11", "s13"])
 def stage(request):
-    """The stage (s06, s08 on s07's kernel, or s11 on s10's), with its kernels (and those of the
+    """The stage (s06, s08 on s07's kernel, s11 on s10's, or s13 on s12's), with its kernels (and those of the
     chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
@@ -474,9 +482,9 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-@pytest.mark.parametrize("number", [8, 11], ids=["s08", "s11"])
+@pytest.mark.parametrize("number", [8, 11, 13], ids=["s08", "s11", "s13"])
 def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
-    """Phase 3 of gdn_fwd.s08 and of s11 reads ``gated`` at each segment's rows of the whole
+    """Phase 3 of gdn_fwd.s08, s11 and s13 reads ``gated`` at each segment's rows of the whole
     sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
     as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
     of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""

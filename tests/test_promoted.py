@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s11) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s13) gives."""
 
 import sys
 
@@ -18,7 +18,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
-    (fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
     # library's BV
     (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
@@ -30,7 +31,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
 # how a stage compiles a kernel, where it is not ``_compiled(*shape)``: gdn_bwd.s02 has one function
 # per kernel, each taking (H, HV) (the walk's BV is the stage's)
 STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish"}
-IDS = [f"{op}.s{n:02d}.{name}" for _, (op, n), name, _ in PROMOTED]
+IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, shape in PROMOTED]
 
 
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
@@ -60,14 +61,23 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
     assert library_program == staged_program
 
 
+def test_block_v_is_the_stage_rule():
+    """The fused kernel's BV per launch is gdn_fwd.s12's rule, on both sides of its switch."""
+    s12 = load("gdn_fwd", 12)
+    for num_seqs, hv, sms in [(1, 8, 132), (1, 16, 132), (1, 32, 132), (1, 64, 132), (8, 8, 132),
+                              (2, 16, 132), (3, 16, 132), (1, 32, 114), (4, 8, 132)]:
+        assert fwd.block_v(num_seqs, hv, 128, sms) == s12.block_v(num_seqs, hv, 128, sms)
+    assert {fwd.block_v(1, 16, 128, 132), fwd.block_v(1, 64, 128, 132)} == {32, 64}
+
+
 def test_a_changed_kernel_is_caught():
     """The check above can fail: two different kernels print different programs."""
     assert fwd.chunk_fwd_intra_kernel(16, 32).script() != fwd.chunk_fwd_intra_kernel(16, 64).script()
 
 
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
-    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
-    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 10), "fused_reform_kernel", (16, 32, 128, 128)),
+    (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
+    (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
@@ -99,7 +109,7 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem, cp", [
-    (Problem(2, 8, (16384,)), None),                                # the rule splits: 8 x 2048 tokens
+    (Problem(2, 8, (24576,)), None),                                # the rule splits: 8 x 3072 tokens
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, empty segment rows
     (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
 ], ids=["auto", "varlen-L4", "no-h0-L2"])
@@ -109,7 +119,7 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     x = problem.inputs("cuda", seed=1)
     B, T = x["q"].shape[:2]
     assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
-                       128 // fwd.BLOCK_V, "cuda", force=cp) is not None
+                       128 // fwd.BLOCK_V, "cuda", force=cp, unsplit_step=autocp.NARROW_STEP) is not None
     check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)
 
 
@@ -121,10 +131,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
 ], ids=["varlen-off", "varlen-L4", "batch-L3"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s11's kernels in s11's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s13's kernels in s13's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    s11 = load("gdn_fwd", 11)
-    want = s11.forward(**x, cp=cp)
+    want = load("gdn_fwd", 13).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
