@@ -58,7 +58,7 @@ NEEDS = ("hopper",)
 # register budgets (setmaxnreg)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "warpgroup_reg_alloc", "warpgroup_reg_dealloc")
 
-NARROW = ("gdn_fwd", 12)  # the stage whose kernel runs BV = 32 and 64
+NARROW = ("gdn_fwd", 12)  # the stage whose chunk loop split (chunk_parts) this one reuses
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 WIDE_BLOCK_V = 128    # BV of this stage's kernel: all the value columns of a head (V = 128)
 STEP = {32: 0.77,     # a chunk step of the fused kernel at each BV, in steps at BV = 64:
@@ -94,13 +94,13 @@ def block_v(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
     return min(STEP, key=steps)
 
 
-def fused_wide_kernel(H: int, HV: int, K: int, V: int):
-    """The T.prim_func for H key heads, HV value heads, head dims K, V = 128 (one CTA a head and
-    sequence); any token or sequence count."""
+def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
+    """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
+    state per CTA (32, 64 or 128); any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
-    C, BV = CHUNK_SIZE, WIDE_BLOCK_V
+    C = CHUNK_SIZE
     chunk_parts = stages.load(*NARROW).chunk_parts
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
@@ -123,8 +123,9 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
         o: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ht: T.Tensor((num_seqs, HV, K, V), "float32"),
     ):
-        with T.Kernel(HV, num_seqs, threads=THREADS) as (i_hv, i_n):
+        with T.Kernel(V // BV, HV, num_seqs, threads=THREADS) as (i_v, i_hv, i_n):
             i_h = i_hv // group
+            v0 = i_v * BV
             bos = bounds[i_n]
             eos = bounds[i_n + 1]
             row0 = first_chunk[i_n]
@@ -145,6 +146,7 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
             h_s = T.alloc_shared((K, BV), "bfloat16")
             vn_s = T.alloc_shared((C, BV), "bfloat16")
             vd_s = T.alloc_shared((C, BV), "bfloat16")
+            o_s = T.alloc_shared((C, BV), "bfloat16")                # output: O, for whole-row stores
             # registers of the state, value and scores / output warpgroups
             h_f = T.alloc_fragment((K, BV), "float32")
             x_f = T.alloc_fragment((C, BV), "float32")             # U, then W, V~, Vd
@@ -170,7 +172,7 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
             if tx < STATE_END:  # ---- the state warpgroup
                 T.set_max_nreg(REGS_STATE, 1)
                 # S <- h0
-                T.copy(h0[i_n, i_hv, :, :], h_f)
+                T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
                 for c0, reps, slots, present in chunk_parts(num_seq_chunks):
                     if present:  # the odd last chunk under an `if` (s12's chunk_parts says why)
                         for r in T.serial(reps):
@@ -191,7 +193,7 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
                                 T.barrier_wait(bar_vd_ready, c % 2)
                                 T.gemm(k_s[b, :, :], vd_s, h_f, transpose_A=True)
                                 T.barrier_arrive(bar_tiles_empty[b])
-                T.copy(h_f, ht[i_n, i_hv, :, :])
+                T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
 
             elif tx >= STATE_END and tx < VALUE_END:  # ---- the value warpgroup
                 T.set_max_nreg(REGS_VALUE, 1)
@@ -244,6 +246,10 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
                                     T.barrier_arrive(bar_state_free)
                                     for i, j in T.Parallel(C, BV):
                                         o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[b, i]))
+                                    # this warpgroup is done with chunk c - 1's tiles (P_{c-1} is in
+                                    # p_shared): the producer may load chunk c + 1 while the chain
+                                    # still runs chunk c - 1
+                                    T.barrier_arrive(bar_tiles_empty[b])
                                 if c < num_seq_chunks:
                                     keep = gated[row0 + c, i_hv]
                                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
@@ -276,11 +282,13 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
                                     T.barrier_wait(bar_vn_ready, (c - 1) % 2)
                                     T.gemm(p_s[b, :, :], vn_s, o_f)
                                     T.barrier_arrive(bar_vn_free)
-                                    T.barrier_arrive(bar_tiles_empty[b])
-                                    # o[t0 : t0 + n] <- O, the chunk's own rows only
+                                    # o[t0 : t0 + n] <- O, the chunk's own rows only, through shared
+                                    # memory: whole 16-byte pieces of rows (from the registers it
+                                    # was 4-byte pieces, scattered: the kernel took 1.5x longer)
+                                    T.copy(o_f, o_s)
                                     for i, j in T.Parallel(C, BV):
                                         if i < eos - t0:
-                                            o[t0 + i, i_hv, j] = o_f[i, j]
+                                            o[t0 + i, i_hv, v0 + j] = o_s[i, j]
 
             elif tx >= SCORES_END:  # ---- the producer warpgroup
                 T.set_max_nreg(REGS_PRODUCER, 0)
@@ -291,7 +299,7 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
                     # full 64-row boxes; rows past the sequence end are masked by the consumers
                     T.tma_copy(q[t0:t0 + C, i_h, :], q_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
-                    T.tma_copy(v[t0:t0 + C, i_hv, :], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, v0:v0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
                     # g <- log2(e) g_cum, rows past the end padded with the last real row, so every
                     # exponent (g_i - g_j with i >= j, g_C - g_i, g_i, g_C) is <= 0
@@ -307,25 +315,19 @@ def fused_wide_kernel(H: int, HV: int, K: int, V: int):
 
 
 @functools.cache
-def _compiled(H: int, HV: int, K: int, V: int):
+def _compiled(H: int, HV: int, K: int, V: int, BV: int):
     import tilelang
 
     # as in s12: no shared-memory reuse (the planner treats the role branches as sequential);
     # fast math (exp2 is one ex2.approx, no branch)
-    return tilelang.compile(fused_wide_kernel(H, HV, K, V), target=HOPPER_TARGET,
+    return tilelang.compile(fused_state_value_kernel(H, HV, K, V, BV), target=HOPPER_TARGET,
                             pass_configs={"tl.disable_shared_memory_reuse": True,
                                           "tl.enable_fast_math": True})
 
 
 def kernel_source() -> str:
-    """The CUDA C++ generated for sm_90a at the default shape (no GPU needed)."""
-    return _compiled(**DEFAULT_SHAPE).get_kernel_source()
-
-
-def launch(H, HV, K, V, BV):
-    """The compiled fused kernel for BV: this stage's at WIDE_BLOCK_V, s12's at 32 and 64 (the same
-    arguments)."""
-    return _compiled(H, HV, K, V) if BV == WIDE_BLOCK_V else stages.load(*NARROW)._compiled(H, HV, K, V, BV)
+    """The CUDA C++ generated for sm_90a at the default shape, BV = 128 (no GPU needed)."""
+    return _compiled(**DEFAULT_SHAPE, BV=WIDE_BLOCK_V).get_kernel_source()
 
 
 def fused_reform(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV=None):
@@ -345,7 +347,7 @@ def fused_reform(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV
         if BV is None:
             BV = block_v(N, HV, V, torch.cuda.get_device_properties(device).multi_processor_count)
         with nvtx_range("gdn_fwd.s14"):
-            launch(H, HV, K, V, BV)(
+            _compiled(H, HV, K, V, BV)(
                 q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V),
                 ab.reshape(B * T, HV, CHUNK_SIZE), g_cum.reshape(B * T, HV), gated,
                 initial_state.to(torch.float32).contiguous(), bounds, first_chunk, scale, o, ht)
