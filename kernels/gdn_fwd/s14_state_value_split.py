@@ -15,9 +15,9 @@ between the two halves of chunk c's output (Q S_c first, P_c V~_c once the value
 V~_c over), so that WY_{c+1} is ready long before the value warpgroup needs it. Shared memory is
 what binds at 128 columns (q, k, v and Ab stages alone are 112 KB), so the hand-offs are single
 buffers where the order of the roles already makes them safe (S_c, V~_c, Vd), W is written over
-its V tile and WY over its Ab tile. ``block_v`` picks among 32, 64 (s12's kernel) and 128 (this
-one) the width whose waves of CTAs take the fewest chunk steps, a step at each width weighed by
-its measured cost (``STEP``).
+its V tile and WY over its Ab tile; O goes to memory through shared memory in whole rows. The
+kernel takes BV (32, 64 or 128) as s12's does; ``block_v`` picks the width whose waves of CTAs take
+the fewest chunk steps, a step at each width weighed by its measured cost (``STEP``).
 
 Why: with many sequences (8 x 4096) every public layout runs more CTAs than SMs, so the time is
 the total work, and at BV = 64 the work that does not depend on BV (the scores: Q K^T, Gamma,
@@ -34,12 +34,42 @@ The pipeline, one chunk c (stage b = c % 2), arrows are barriers:
     value      [bar_state_ready] U <- K S_c; W <- V - exp(g) U over V;
                [bar_scores_ready[b]] V~ <- WY W; [bar_vn_free] V~ -> vn_shared, Vd -> vd_shared
                                                       -> bar_vd_ready, bar_vn_ready, bar_tiles_empty[b]
-    scores /   [bar_state_ready] O <- scale exp(g) Q S_c -> bar_state_free;
+    scores /   [bar_state_ready] O <- scale exp(g) Q S_c -> bar_state_free, bar_tiles_empty[b];
     output     scores of c + 1: Gamma, WY over Ab, P = scale Q K^T * Gamma -> bar_scores_ready;
-               [bar_vn_ready] O <- O + P_c V~_c -> bar_vn_free, bar_tiles_empty[b]; o <- O
+               [bar_vn_ready] O <- O + P_c V~_c -> bar_vn_free; o <- O (through o_shared)
 
-Measured effect: see notebooks/04_reformulation.py ("A state warpgroup for 128 columns"), filled
-from the committed benchmark run.
+Measured effect (``profiles/kernel_width_lab.py``, 4 x H100, commit 3b59463,
+``profiles/results/kernel_width.csv``; the fused kernels alone, CUDA-graph replay):
+
+    (H, HV), N x T       s12 at 64   s14 at 128   ratio      waves of CTAs
+    (16, 64) 8 x 4096     1.213 ms    0.926 ms    0.76      4 waves instead of 8
+    (16, 48) 8 x 4096     0.897       0.698       0.78
+    (16, 32) 8 x 4096     0.611       0.477       0.78
+    (4, 16)  8 x 4096     0.310       0.248       0.80
+    (16, 16) 8 x 4096     0.310       0.257       0.83
+    (8, 24)  8 x 4096     0.452       0.472       1.04      2 waves instead of 3: ``block_v`` keeps 64
+    (16, 64) 1 x 32768    1.163       1.845       1.59      one wave either way: a step at 128 is 1.6
+                                                            of one at 64 (``STEP``)
+
+The whole forward on (16, 64) 8 x 4096: s14 1.439 ms, the library (s13) 1.716, FlashQLA 1.251,
+FLA 4.114. Where the lengths differ, the wave count misleads: on 28672 + 4096 of (16, 48) and
+(16, 64) ``block_v`` picks 128 and the long sequence's CTA walks 448 chunks at the wider step
+(s14 2.01 and 2.13 ms, s12 1.54 and 1.77; 1.36-1.57x the kernel time): the host cannot see the
+lengths without a synchronization, so a library that takes this kernel must pick the width on the
+device. At 32 and 64 this kernel is 1.00-1.08x s12's (the value warpgroup's two hand-offs on the
+chain), so those widths are better left to s12's kernel.
+
+Two things made the difference at 128, found by timing variants of the first build (commit
+d33dafe, fused kernel alone, 4 x H100):
+
+    first build: O stored from the registers (4-byte pieces)    (16, 64) 8 x 4096: 1025 us
+    O through shared memory, whole 16-byte pieces of rows                            678 us
+    ... and the output releases its tiles after Q S_c                                606 us
+
+O is written by the scores / output warpgroup, which also hands S_c's shared buffer back to the
+state warpgroup: a slow store delayed every next snapshot. The same change to s12's separate
+output warpgroup gained nothing (1.00-1.05x s12's time, a draft at commit e6d76aa): there the store
+is off the chain.
 
 Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns")
 """
@@ -58,12 +88,13 @@ NEEDS = ("hopper",)
 # register budgets (setmaxnreg)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "warpgroup_reg_alloc", "warpgroup_reg_dealloc")
 
-NARROW = ("gdn_fwd", 12)  # the stage whose chunk loop split (chunk_parts) this one reuses
+CHUNK_LOOP = ("gdn_fwd", 12)  # the stage whose chunk loop split (chunk_parts) this one reuses
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 WIDE_BLOCK_V = 128    # BV of this stage's kernel: all the value columns of a head (V = 128)
 STEP = {32: 0.77,     # a chunk step of the fused kernel at each BV, in steps at BV = 64:
         64: 1.0,      # 32: autocp.NARROW_STEP (s12 against s10, 4 x H200, 4e37c66);
-        128: 1.55}    # 128: FlashQLA's own fit (4.03 / 2.60 us), until this stage's is measured
+        128: 1.6}     # 128: this kernel against s12 at 64, one wave each ((16, 64) 1 x 32768:
+                      # 1.59, kernel_width.csv; FlashQLA's own fit: 4.03 / 2.60 us = 1.55)
 LOG2E = 1.4426950408889634
 DEFAULT_SHAPE = dict(H=16, HV=64, K=128, V=128)  # a Qwen3.5 GDN layer with many value heads
 
@@ -86,9 +117,10 @@ STAGE_SLOTS = (0, 1)  # the consumers unroll their chunk loop over them (constan
 def block_v(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
     """BV for a launch, host integers only: of 32, 64 and 128 the one whose CTAs (num_seqs x HV x
     V / BV, one per SM) take the fewest chunk steps, waves x ``STEP``. One wave at 32 beats any
-    wider launch (s12's rule); where 64 needs more waves than 128, 128 wins: 8 sequences of every
-    public layout but (2, 8), and (16, 48) and (16, 64) from 2 sequences. The waves assume
-    sequences of equal length; one long sequence beside short ones keeps its CTA's chain."""
+    wider launch (s12's rule); 128 wins where 64 needs enough more waves: 8 sequences of every
+    public layout but (2, 8) and (8, 24), and (16, 48) and (16, 64) from 2 sequences. The waves
+    assume sequences of equal length: on 28672 + 4096 the long sequence's CTA walks its chunks at
+    the wider step and 128 loses (the docstring's table)."""
     def steps(bv):
         return -(-num_seqs * HV * (V // bv) // num_sms) * STEP[bv]
     return min(STEP, key=steps)
@@ -101,7 +133,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
     import tilelang.language as T
 
     C = CHUNK_SIZE
-    chunk_parts = stages.load(*NARROW).chunk_parts
+    chunk_parts = stages.load(*CHUNK_LOOP).chunk_parts
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
