@@ -1732,6 +1732,77 @@ assert min(went_narrow.values()) > 1.1 and 0.98 < min(stayed) and max(stayed) < 
 # %% [markdown]
 # 1.16-1.32x where it goes narrow, the most on (2, 8) and (16, 16) at 32768 tokens; the same
 # kernel elsewhere. `gdn_fwd.s13` (chapter 5) is AutoCP with this kernel and is what the library runs.
+
+#
+# ### A state warpgroup for 128 columns: `gdn_fwd.s14`
+#
+# With many sequences every layout launches more CTAs than SMs, and the time is the total work.
+# At BV = 64 the work that does not depend on BV (the scores: $Q K^\top$, $\Gamma$, $\Gamma \odot
+# A_b$; the loads of $q$, $k$, $A_b$) is done twice a head. A CTA that owns all 128 columns needs
+# $S$ in registers, 128 float32 a thread of one warpgroup, which leaves no room for the chain's other
+# tiles. s14 splits the chain in two: a **state** warpgroup that holds only $S$ (snapshot, decay,
+# update) and a **value** warpgroup for $U = K S_c$, $W$, $\tilde V = (\Gamma \odot A_b) W$ and
+# $V_d$; the scores and output warpgroups of s12 become one. Its roles, register budgets and
+# shared memory, read from the stage:
+
+# %%
+s14 = load("gdn_fwd", 14)
+roles = {"state": (s14.STATE_END, s14.REGS_STATE), "value": (s14.VALUE_END, s14.REGS_VALUE),
+         "scores / output": (s14.SCORES_END, s14.REGS_SCORES), "producer": (s14.THREADS, s14.REGS_PRODUCER)}
+for role, (end, regs) in roles.items():
+    print(f"{role:16s} threads [{end - s14.WARPGROUP:3d}, {end:3d})  setmaxnreg {regs}")
+assert sum(r for _, r in roles.values()) <= 4 * 128 and s14.REGS_STATE >= 128 + 32  # S is 128 a thread
+C, K, BV = s14.CHUNK_SIZE, 128, s14.WIDE_BLOCK_V
+smem = {"q, k tiles (2 stages)": 2 * 2 * C * K * 2, "v tiles, then W": 2 * C * BV * 2,
+        "Ab tiles, then WY": 2 * C * C * 2, "P (2 stages)": 2 * C * C * 2, "S_c snapshot": K * BV * 2,
+        "V~, Vd, O": 3 * C * BV * 2, "g, exp(g), exp(g_C - g)": 3 * 2 * C * 4}
+for name, nbytes in smem.items():
+    print(f"{name:24s} {nbytes / 1024:6.1f} KB")
+print(f"{'total':24s} {sum(smem.values()) / 1024:6.1f} KB of 227 KB a CTA may have")
+assert sum(smem.values()) < 227 * 1024
+
+# %% [markdown]
+# `profiles/kernel_width_lab.py` times the fused kernels alone at every width (4 x H100, commit
+# 3b59463, `profiles/results/kernel_width.csv`). s14 at 128 against s12 at its fastest width:
+
+# %%
+widths = bench.read_csv(bench.RESULTS / "kernel_width.csv")
+vs12 = {r["problem"]: float(r["s14 f128"]) / min(float(r["s12 f32"]), float(r["s12 f64"])) for r in widths}
+picks = {r["problem"]: s14.block_v(len(bench.heads_and_lengths(r["problem"])[2]),
+                                   bench.heads_and_lengths(r["problem"])[1], 128, 132) for r in widths}
+for r in widths:
+    p = r["problem"]
+    print(f"{bench.short_label(p):24s} s14 at 128 / s12's fastest {vs12[p]:.2f}   block_v picks {picks[p]}")
+many = [p for p in vs12 if len(bench.heads_and_lengths(p)[2]) == 8]
+single = [p for p in vs12 if len(bench.heads_and_lengths(p)[2]) == 1]
+uneven = [p for p in vs12 if len(bench.heads_and_lengths(p)[2]) == 2]
+assert all(vs12[p] < 0.85 for p in many if picks[p] == 128)       # the batches where 128 is picked
+assert all(vs12[p] > 1.0 and picks[p] == 64 for p in many if "(8, 24)" in p or "(2, 8)" in p)
+assert all(vs12[p] > 1.4 for p in single)                         # one wave either way: the wider step
+assert all(vs12[p] > 1.3 for p in uneven if picks[p] == 128)      # equal lengths assumed: wrong here
+s14_at = {bv: [float(r[f"s14 f{bv}"]) / float(r[f"s12 f{bv}"]) for r in widths] for bv in (32, 64)}
+print("s14's kernel over s12's at the same width:", {bv: f"{min(x):.2f}-{max(x):.2f}" for bv, x in s14_at.items()})
+assert all(0.95 < x < 1.1 for xs in s14_at.values() for x in xs)
+
+fig, ax = plt.subplots(figsize=(9, 3))
+ax.bar(range(len(vs12)), list(vs12.values()), color=["C2" if picks[p] == 128 else "C7" for p in vs12])
+ax.axhline(1, color="k", lw=0.8)
+ax.set_xticks(range(len(vs12)), [bench.short_label(p) for p in vs12], rotation=90, fontsize=7)
+ax.set_ylabel("s14 at 128 / s12's fastest")
+ax.set_title("fused kernel alone, 4 x H100 (green: block_v picks 128)")
+plt.show()
+
+# %% [markdown]
+# 0.76-0.83x on the batches of 8 where `block_v` picks 128 (half the CTAs, four waves instead of
+# eight on (16, 64)); on one wave a step at 128 costs 1.6 steps at 64, so single sequences keep 32
+# or 64. On 28672 + 4096 of (16, 48) and (16, 64) the waves mislead: the rule assumes equal lengths
+# (the host cannot see them without a synchronization), picks 128, and the long sequence's CTA walks
+# its 448 chunks at the wider step (1.36-1.57x). A library that takes this kernel must choose the
+# width on the device, from `cu_seqlens`. Two changes made 128 pay, found by timing variants of the
+# first build: O stored through shared memory in whole rows (the first build stored 4-byte pieces
+# from the registers, and that warpgroup also frees the snapshot's buffer: 1025 -> 678 us on (16, 64)
+# 8 x 4096), and releasing the tile stage right after $Q S_c$ (606 us). The whole forward there: s14
+# 1.44 ms, the library 1.72, FlashQLA 1.25 (the solve is 0.50 of ours).
 #
 # ## Summary
 #
@@ -1778,3 +1849,6 @@ assert min(went_narrow.values()) > 1.1 and 0.98 < min(stayed) and max(stayed) < 
 #   value columns a CTA there, so its per-head work outside the state (Q K^T, the gate matrix) is
 #   done once a head, where ours is done twice (`profiles/results/kernel_split.csv`: 790 against
 #   1211 us).
+# - s14 splits the chain into a state and a value warpgroup so that one CTA owns all 128 value
+#   columns: 0.76-0.83x s12's kernel time on the batches of 8 where it is picked, 1.4-2.1x on one
+#   wave; its equal-length wave rule loses on 28672 + 4096, so it is a stage, not yet the library's.
