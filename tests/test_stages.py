@@ -80,3 +80,22 @@ def test_every_kernel_width_matches_reference(BV, problem):
     stage = next(s for s in STAGES if s.id == "gdn_fwd.s14")
     inputs = op_inputs(stage.op, problem.inputs(device="cuda", seed=zlib.crc32(problem.label.encode())))
     check_op(stage.op, functools.partial(stage.module.run, BV=BV), inputs)
+
+
+def test_s15_width_is_the_fastest_measured():
+    """gdn_fwd.s15's width rule, on the lengths of every problem of the committed kernel_width.csv,
+    picks the fastest of s12's kernel at 32 and 64 and s14's at 128 measured there (4 x H100,
+    3b59463), and s14's equal-length rule does not on 28672 + 4096 of (16, 48) and (16, 64)."""
+    from flashqla import bench
+    from flashqla.stages import load
+
+    s14, s15 = load("gdn_fwd", 14), load("gdn_fwd", 15)
+    rows = bench.read_csv(bench.RESULTS / "kernel_width.csv")
+    assert len(rows) >= 30
+    for row in rows:
+        _, HV, lengths = bench.heads_and_lengths(row["problem"])
+        ms = {32: float(row["s12 f32"]), 64: float(row["s12 f64"]), 128: float(row["s14 f128"])}
+        pick = s15.block_v([-(-n // s15.CHUNK_SIZE) for n in lengths], HV, 128, 132)
+        assert pick == min(ms, key=ms.get), (row["problem"], pick, ms)
+        if len(lengths) == 2 and HV >= 48:
+            assert s14.block_v(2, HV, 128, 132) == 128 and ms[128] > 1.3 * ms[pick]

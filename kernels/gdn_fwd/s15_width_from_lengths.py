@@ -1,0 +1,167 @@
+"""gdn_fwd, stage 15: s13's pipeline with the fused kernel's width chosen from the sequence lengths:
+32 or 64 value columns a CTA on s12's kernel, 128 on s14's.
+
+What changed from s13: ``block_v`` takes the sequences' chunk counts, not only their number. It
+weighs each width's chunk steps (``STEP``, s14's) by the larger of three floors on the launch's
+time in steps: the longest sequence (its CTAs walk it alone), the CTA-chunks spread over all SMs,
+and the waves of CTAs times the shortest sequence (a wave is at least that long). The lengths come
+from ``flashqla.varlen.host_bounds``: one read of ``cu_seqlens`` per tensor, kept for the capture
+that follows an eager call; inside a capture that has no eager call before it, the width falls back
+to s14's equal-length rule. At 32 and 64 the kernel is s12's (s14's own is 1.00-1.08x slower there,
+``kernel_width.csv``), at 128 s14's. The AutoCP plan and its segments are s13's; the segments of
+phase 3 are of equal length by construction, so their launch takes s14's rule.
+
+Why: s14's kernel at 128 is 0.76-0.83x s12's on the batches of 8 sequences where the wave rule
+picks it, but that rule, blind to the lengths, also picks it on 28672 + 4096 of (16, 48) and
+(16, 64), where it is 1.36-1.57x slower; and s12's own rule picks 64 on 28672 + 4096 of (8, 24),
+(8, 32) and (16, 32), where 32 is 0.80-0.90x the time. On every one of the 31 problems of
+``profiles/results/kernel_width.csv`` this rule picks the fastest of s12 at 32, s12 at 64 and s14 at
+128 (``tests/test_stages.py::test_s15_width_is_the_fastest_measured``).
+
+Measured effect: not yet measured (written after the session's GPU time was spent; its kernels are
+s12's and s14's, both GPU-tested at every width).
+
+Taught in: notebooks/05_autocp.py (AutoCP) and notebooks/04_reformulation.py (the widths)
+"""
+
+import torch
+
+from flashqla import autocp, stages
+from flashqla.nvtx import nvtx_range
+from flashqla.varlen import chunk_table, host_bounds, seq_bounds
+
+NEEDS = ("hopper",)
+# the kernels it may launch: wgmma and TMA (the warm-up's and the fused kernels' products and
+# tiles); warpgroup_reg_alloc / _dealloc: the fused kernels' role register budgets (setmaxnreg)
+SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "warpgroup_reg_alloc", "warpgroup_reg_dealloc")
+
+SOLVE = ("gate_free_solve", 2)  # the stage that gives Ab and the gated flags
+WARMUP = ("gdn_fwd", 6)         # the stage whose warm-up kernel runs phase 1
+NARROW = ("gdn_fwd", 12)        # the fused kernel at 32 and 64 value columns a CTA
+WIDE = ("gdn_fwd", 14)          # the fused kernel at 128, and the widths' step costs (STEP)
+CHUNK_SIZE = 64                 # C: tokens per chunk
+HEAD_DIM = 128                  # K = V = 128 only (the warm-up kernel's M is K x K)
+
+
+def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
+    """BV for a launch over sequences of ``seq_chunks`` chunks each (host integers): the width of
+    the fewest chunk steps, ``STEP[BV]`` x max(longest sequence, CTA-chunks / SMs, waves x
+    shortest sequence), where a sequence has HV x V / BV CTAs."""
+    step = stages.load(*WIDE).STEP
+    ctas_per_seq = {bv: HV * (V // bv) for bv in step}
+
+    def steps(bv):
+        waves = -(-len(seq_chunks) * ctas_per_seq[bv] // num_sms)
+        return step[bv] * max(max(seq_chunks), ctas_per_seq[bv] * sum(seq_chunks) / num_sms,
+                              waves * min(seq_chunks))
+    return min(step, key=steps)
+
+
+def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> int:
+    """``block_v`` of the sequences of inputs [B, T] (or varlen ``cu_seqlens``); s14's rule, which
+    assumes equal lengths, where the lengths cannot be read (``host_bounds`` under capture)."""
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    if bounds is None:
+        return stages.load(*WIDE).block_v(cu_seqlens.shape[0] - 1, HV, V, num_sms)
+    return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
+
+
+def fused_kernel(H: int, HV: int, K: int, V: int, BV: int):
+    """The compiled fused kernel for BV: s12's at 32 and 64, s14's at 128 (the same arguments)."""
+    return stages.load(*(WIDE if BV == 128 else NARROW))._compiled(H, HV, K, V, BV)
+
+
+def kernel_source() -> str:
+    """The CUDA C++ generated for sm_90a at the default shape: phase 1's kernel, then the fused
+    kernels (s12's at 64, s14's at 128)."""
+    return (stages.load(*WARMUP).kernel_source() + stages.load(*NARROW).kernel_source()
+            + stages.load(*WIDE).kernel_source())
+
+
+def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+    """``run`` with the split chosen by the caller: ``cp`` None decides (``autocp.segment_chunks``),
+    False never splits, True splits by the rule, an int is the segment length in chunks."""
+    warm = stages.load(*WARMUP)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+    g, beta = (x.to(torch.float32).contiguous() for x in (g, beta))
+    g_cum = stages.load("chunk_local_cumsum", 1).run(g, cu_seqlens, CHUNK_SIZE).contiguous()
+    ab, gated = stages.load(*SOLVE).solve(k, beta, g_cum, cu_seqlens)
+    sms = autocp.num_sms(device)
+    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
+    # the plan cuts segments for 2 CTAs a head (s11's); a split must beat BV 32's shorter steps
+    p = autocp.plan(cu_seqlens, B, T, HV, sms, V // 64, device, force=cp,
+                    unsplit_step=autocp.NARROW_STEP if BV == 32 else 1.0)
+    if p is None:
+        o, ht = _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV)
+        return o, (ht if output_final_state else None)
+
+    N, J = p.num_seqs, p.max_segments
+    fp32 = dict(dtype=torch.float32, device=device)
+    h0 = (torch.zeros(N, HV, K, V, **fp32) if initial_state is None
+          else initial_state.to(**fp32).contiguous())
+    # phase 1: Z (and M for exact heads) of every slot's window, from w, u
+    w, u = stages.load("chunk_fwd_intra", 1).run(k, v, g_cum, beta, cu_seqlens, CHUNK_SIZE)
+    win_start, exact, _ = autocp.warmup(p, g_cum.view(B * T, HV), autocp.bound_violations(k, g, beta),
+                                        threshold)
+    z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+    with nvtx_range("gdn_fwd.s15"):
+        warm._compiled(H, HV)(k.view(B * T, H, K), w.view(B * T, HV, K), u.view(B * T, HV, V),
+                              g_cum.view(B * T, HV), win_start, p.slot_start, exact, z, m)
+    # phase 2: the initial state of every segment row
+    h_seg = autocp.segment_initial_states(p, h0, z, m)
+    # phase 3: the fused kernel over all segments (of equal length: s14's rule), each from its own
+    # state; gated's rows per segment are the whole sequences' chunk rows (p.first_chunk)
+    rows = p.bounds.shape[0] - 1
+    o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
+    ht = torch.empty(h_seg.shape, **fp32)
+    with nvtx_range("gdn_fwd.s15"):
+        fused_kernel(H, HV, K, V, stages.load(*WIDE).block_v(rows, HV, V, sms))(
+            q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, HV, V),
+            ab.view(B * T, HV, CHUNK_SIZE), g_cum.view(B * T, HV), gated,
+            h_seg, p.bounds, p.first_chunk, scale, o, ht)
+    return o.view(B, T, HV, V), (ht.index_select(0, p.last_segment) if output_final_state else None)
+
+
+def _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV):
+    """The fused kernel at BV over whole sequences -> (o [B, T, HV, V], final state [N, HV, K, V])."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    bounds = seq_bounds(cu_seqlens, B, T, device)
+    _, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    N = bounds.shape[0] - 1
+    if initial_state is None:
+        initial_state = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
+    o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device)
+    if B * T:
+        with nvtx_range("gdn_fwd.s15"):
+            fused_kernel(H, HV, K, V, BV)(
+                q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V),
+                ab.reshape(B * T, HV, CHUNK_SIZE), g_cum.reshape(B * T, HV), gated,
+                initial_state.to(torch.float32).contiguous(), bounds, first_chunk, scale, o, ht)
+    else:
+        ht.copy_(initial_state)
+    return o.view(B, T, HV, V), ht
+
+
+def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The chunked GDN forward (``flashqla.reference.chunk_gated_delta_rule_ref``) -> (o, final state)."""
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"gdn_fwd.s15: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    if K != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s15: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
+    if V != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s15: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
+    if HV % H:
+        raise ValueError(f"gdn_fwd.s15: `v` must have a number of value heads HV that is a "
+                         f"multiple of the H = {H} heads of q; got HV = {HV}")
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
