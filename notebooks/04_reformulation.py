@@ -1804,6 +1804,24 @@ plt.show()
 # 8 x 4096), and releasing the tile stage right after $Q S_c$ (606 us). The whole forward there: s14
 # 1.44 ms, the library 1.72, FlashQLA 1.25 (the solve is 0.50 of ours).
 #
+# `gdn_fwd.s15` reads the lengths instead (once per `cu_seqlens` tensor: the API's validation
+# already does, `flashqla.varlen.host_bounds`) and weighs each width's step by the larger of the
+# longest sequence, the CTA-chunks over all SMs and the waves times the shortest sequence. On the
+# lengths of every problem above it picks the fastest measured kernel, and it also moves 28672 +
+# 4096 of (8, 24) and (16, 32) to 32 columns, which s12's rule, counting sequences, kept at 64:
+
+# %%
+s15 = load("gdn_fwd", 15)
+for r in widths:
+    _, hv, lens = bench.heads_and_lengths(r["problem"])
+    ms = {32: float(r["s12 f32"]), 64: float(r["s12 f64"]), 128: float(r["s14 f128"])}
+    pick = s15.block_v([-(-n // 64) for n in lens], hv, 128, 132)
+    print(f"{bench.short_label(r['problem']):24s} s15 picks {pick:3d} ({ms[pick]:.3f} ms); "
+          f"s12's rule {s12.block_v(len(lens), hv, 128, 132):3d}; fastest {min(ms, key=ms.get):3d}")
+    assert pick == min(ms, key=ms.get)
+
+# %% [markdown]
+#
 # ## Summary
 #
 # - The decay is a diagonal similarity, $A = D L D^{-1}$, so $(I + A)^{-1} = \Gamma \odot (I + L)^{-1}$:
