@@ -74,10 +74,11 @@ def test_stage_matches_reference(stage, problem, compiled_stages):
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
 @pytest.mark.parametrize("BV", [32, 64, 128])
-def test_every_kernel_width_matches_reference(BV, problem):
-    """gdn_fwd.s14 forced to each width: ``block_v`` takes 128 only with many CTAs, which the
-    public shape set above has only for (16, 48) and (16, 64)."""
-    stage = next(s for s in STAGES if s.id == "gdn_fwd.s14")
+@pytest.mark.parametrize("stage_id", ["gdn_fwd.s14", "gdn_fwd.s16"])
+def test_every_kernel_width_matches_reference(stage_id, BV, problem):
+    """gdn_fwd.s14 and s16 forced to each width: ``block_v`` takes 128 only with many CTAs, which
+    the public shape set above has only for (16, 48) and (16, 64)."""
+    stage = next(s for s in STAGES if s.id == stage_id)
     inputs = op_inputs(stage.op, problem.inputs(device="cuda", seed=zlib.crc32(problem.label.encode())))
     check_op(stage.op, functools.partial(stage.module.run, BV=BV), inputs)
 
