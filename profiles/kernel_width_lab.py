@@ -15,7 +15,7 @@ For each problem of ``flashqla.bench.PROBLEMS`` (the chosen head configurations)
                         one call on input set 0, median of 20): the chunk_local_cumsum and
                         gate_free_solve.s02 outputs it reads are made once, outside the timing
     s14 f32, f64, f128  gdn_fwd.s14's fused kernel alone at BV = 32, 64 and 128, the same way
-    s16 f128            gdn_fwd.s16's (O by TMA store) at 128, the same way (not in the committed run)
+    s16 f32, f64, f128  gdn_fwd.s16's (O by TMA store), the same way (not in the committed run)
     solve               gate_free_solve.s02 alone, the same way
     flops               ``flashqla.bench.useful_flops``
 
@@ -37,7 +37,7 @@ import os
 import sys
 from pathlib import Path
 
-FUSED = (("s12", 12, (32, 64)), ("s14", 14, (32, 64, 128)), ("s16", 16, (128,)))
+FUSED = (("s12", 12, (32, 64)), ("s14", 14, (32, 64, 128)), ("s16", 16, (32, 64, 128)))
 
 
 def measure(out: Path, heads, commit: str) -> int:
