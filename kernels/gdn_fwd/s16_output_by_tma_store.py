@@ -65,7 +65,6 @@ REGS_VALUE = 128      # U / W / V~ / Vd (64)
 REGS_SCORES = 192     # O (64) while Gamma (32) and P (32) of the next chunk are built
 assert REGS_PRODUCER + REGS_STATE + REGS_VALUE + REGS_SCORES <= 4 * 128
 NUM_STAGES = 2        # tile stages: the producer fills chunk c + 2 once chunk c is consumed
-STAGE_SLOTS = (0, 1)  # the consumers unroll their chunk loop over them (constant stage indices)
 
 
 def block_v(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
