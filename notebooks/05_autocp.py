@@ -434,5 +434,6 @@ for label in ("(2, 8) 1x32768", "(2, 8) 28672+4096", "(4, 16) 1x32768", "(16, 16
 # (`profiles/results/kernel_split.csv`) FlashQLA splits, and its fused kernel over the segments takes
 # 208 us after a 290 us warm-up (`prepare_h`) and a 31 us correction, where our unsplit narrow launch
 # takes 903 us: its split runs 128 value columns a CTA, one CTA a (segment, head), so at the same SM
-# count it has twice as many segments as ours, each half as long, and our fused kernel has no
-# 128-column form yet (its chain holds the state in one warpgroup's registers: 64 columns at most).
+# count it has twice as many segments as ours, each half as long. Our 128-column kernel,
+# `gdn_fwd.s14` (chapter 4), splits the chain over a state and a value warpgroup; AutoCP does not
+# plan with it yet.
