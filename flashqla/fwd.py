@@ -3,12 +3,12 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s15's:
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s17's:
 gate_free_solve.s02's blocked solve and a fused kernel whose width comes from the sequence
-lengths (``block_v``): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10)
-at 32 or 64 value columns a CTA, s14's (the chain split over a state and a value warpgroup) at
-128; with AutoCP (s06's plan and warm-up, as in s08; a split must beat the narrow launch,
-``autocp.NARROW_STEP``). Its kernels (measurements from each stage's docstring and
+lengths (``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean
+chain, s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup,
+s14, with O stored by TMA) at 64 and 128; with AutoCP (s06's plan and warm-up, as in s08; a split
+must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each stage's docstring and
 ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
@@ -50,19 +50,22 @@ at 32 or 64 value columns a CTA, s14's (the chain split over a state and a value
                                                        output and producer warpgroups, mbarrier
                                                        hand-offs), the chain's per-chunk path
                                                        without mask or exp (s10: 1.05-1.14x s07's
-                                                       forward), BV = 32 value columns a CTA where
-                                                       the narrow CTAs fit one wave, else 64
-                                                       (``block_v``; s12: 1.16-1.32x s10 on the 21
-                                                       problems that go narrow). This path (s13's,
-                                                       4 x H200, commit 7ccb1ae) is 0.92-2.35x FLA
+                                                       forward), here at BV = 32 value columns a
+                                                       CTA (``block_v``; s12: 1.16-1.32x s10 on the
+                                                       21 problems that go narrow). s13's path (
+                                                       4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
                                                        and 0.49-6.30x FlashQLA (geomean 1.51x,
                                                        0.90x); (16, 64) 1 x 32768: 1.739 ms,
                                                        FlashQLA 1.532, FLA 3.456
-    gdn_fwd.s14 (fused, 128) the same inputs and outputs: one CTA owns all 128 value columns of a
-                                                       head, S alone in a state warpgroup; where the
-                                                       lengths give enough waves of CTAs (8 x 4096 of
-                                                       most layouts) 0.76-0.83x s12's kernel time
-                                                       (4 x H100, 3b59463, kernel_width.csv)
+    gdn_fwd.s16 (fused,      the same inputs and outputs, at BV = 64 or 128: S alone in a state
+     64 and 128)                                       warpgroup (s14), so one CTA may own all 128
+                                                       value columns of a head; O stored by TMA, a
+                                                       whole chunk at a time. 0.84-0.99x s12's kernel
+                                                       time at 64, 0.78-0.87x s14's at 128; at 128
+                                                       0.66-0.73x s12's best where the lengths give
+                                                       enough waves (8 x 4096 of all layouts but
+                                                       (2, 8) and (8, 24); 4 x H100, 51893cc,
+                                                       kernel_width.csv)
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
 the decision from host integers, the segment table on the device), with no host synchronization
@@ -115,8 +118,8 @@ NUM_HANDOFF = 2       # slots for S_c, WY_c, V~_c and P_c: chunk c + 1's are wri
                       # chunk c's are still read
 HANDOFF_SLOTS = (0, 1)  # the chain and output unroll their chunk loop over them
 assert NUM_STAGES == NUM_HANDOFF == len(HANDOFF_SLOTS)  # chunk c's stage is its slot, c % 2
-# ---- gdn_fwd.s14's fused kernel at BV = 128: roles, one warpgroup each, in thread order (s14's
-# names, prefixed WIDE_); its producer's budget is REGS_PRODUCER, its tile stages NUM_STAGES
+# ---- gdn_fwd.s16's fused kernel at BV = 64 and 128: roles, one warpgroup each, in thread order
+# (s16's names, prefixed WIDE_); its producer's budget is REGS_PRODUCER, its tile stages NUM_STAGES
 WIDE_BLOCK_V = 128               # all the value columns of a head
 WIDE_STATE_END = 1 * WARPGROUP   # [0, 128)   state: owns S; its snapshot, decay and update
 WIDE_VALUE_END = 2 * WARPGROUP   # [128, 256) value: U = K S_c, W, V~ = WY W, Vd
@@ -126,9 +129,9 @@ REGS_WIDE_STATE = 168            # S (128 fp32 a thread)
 REGS_WIDE_VALUE = 128            # U / W / V~ / Vd (64)
 REGS_WIDE_SCORES = 192           # O (64) while Gamma (32) and P (32) of the next chunk are built
 assert REGS_PRODUCER + REGS_WIDE_STATE + REGS_WIDE_VALUE + REGS_WIDE_SCORES <= 4 * 128
-STEP = {NARROW_BLOCK_V: 0.77,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
-        BLOCK_V: 1.0,            # (gdn_fwd.s14's STEP: s12 against s10 at 32; s14 at 128 against
-        WIDE_BLOCK_V: 1.6}       # s12 at 64, one wave each)
+STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
+        BLOCK_V: 1.0,            # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
+        WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
@@ -505,7 +508,7 @@ def chunk_parts(num_seq_chunks):
 
 def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
     """BV for a launch of the fused kernel over sequences of ``seq_chunks`` chunks each (gdn_fwd.s15's
-    rule), host integers only: the width of the fewest chunk steps, ``STEP[BV]`` x max(longest
+    rule on s17's steps), host integers only: the width of the fewest chunk steps, ``STEP[BV]`` x max(longest
     sequence, CTA-chunks / SMs, waves x shortest sequence), where a sequence has HV x V / BV CTAs.
     With equal lengths ([1] * N) it is gdn_fwd.s14's rule, waves x STEP."""
     ctas_per_seq = {bv: HV * (V // bv) for bv in STEP}
@@ -738,7 +741,7 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
     return gdn_fused_ws_lean
 
 
-# ---- promoted from kernels/gdn_fwd/s14_state_value_split.py (roles renamed WIDE_...)
+# ---- promoted from kernels/gdn_fwd/s16_output_by_tma_store.py (roles renamed WIDE_...)
 def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
     state per CTA (32, 64 or 128); any token or sequence count."""
@@ -926,13 +929,16 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                     T.barrier_wait(bar_vn_ready, (c - 1) % 2)
                                     T.gemm(p_s[b, :, :], vn_s, o_f)
                                     T.barrier_arrive(bar_vn_free)
-                                    # o[t0 : t0 + n] <- O, the chunk's own rows only, through shared
-                                    # memory: whole 16-byte pieces of rows (from the registers it
-                                    # was 4-byte pieces, scattered: the kernel took 1.5x longer)
+                                    # o[t0 : t0 + n] <- O through shared memory: a whole chunk by one
+                                    # TMA store (the async proxy: this warpgroup's next fence does
+                                    # not wait for it), a sequence's partial last chunk row by row
                                     T.copy(o_f, o_s)
-                                    for i, j in T.Parallel(C, BV):
-                                        if i < eos - t0:
-                                            o[t0 + i, i_hv, v0 + j] = o_s[i, j]
+                                    if eos - t0 >= C:
+                                        T.copy(o_s, o[t0:t0 + C, i_hv, v0:v0 + BV])
+                                    else:
+                                        for i, j in T.Parallel(C, BV):
+                                            if i < eos - t0:
+                                                o[t0 + i, i_hv, v0 + j] = o_s[i, j]
 
             elif tx >= WIDE_SCORES_END:  # ---- the producer warpgroup
                 T.set_max_nreg(REGS_PRODUCER, 0)
@@ -1004,7 +1010,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
     # the plan cuts segments for 2 CTAs a head; a split must beat BV 32's shorter steps
     p = autocp.plan(cu_seqlens, B, T, HV, sms, V // BLOCK_V, device, force=cp,
-                    unsplit_step=autocp.NARROW_STEP if BV == NARROW_BLOCK_V else 1.0)
+                    unsplit_step=STEP[NARROW_BLOCK_V] if BV == NARROW_BLOCK_V else 1.0)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
         # phase 1: w, u (the warm-up kernel's chain reads them), then Z (and M for exact heads) of
@@ -1023,7 +1029,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths
     ht = torch.empty(h0.shape, **fp32)
-    builder = fused_state_value_kernel if BV == WIDE_BLOCK_V else fused_reform_kernel
+    builder = fused_reform_kernel if BV == NARROW_BLOCK_V else fused_state_value_kernel
     with nvtx_range("fwd.chunk_h_o"):
         _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
                                             scale, o, ht)

@@ -24,6 +24,8 @@ s12's and s14's, both GPU-tested at every width).
 Taught in: notebooks/05_autocp.py (AutoCP) and notebooks/04_reformulation.py (the widths)
 """
 
+from typing import NamedTuple
+
 import torch
 
 from flashqla import autocp, stages
@@ -37,17 +39,27 @@ SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "warpgroup_reg_alloc", "warpgroup_re
 
 SOLVE = ("gate_free_solve", 2)  # the stage that gives Ab and the gated flags
 WARMUP = ("gdn_fwd", 6)         # the stage whose warm-up kernel runs phase 1
-NARROW = ("gdn_fwd", 12)        # the fused kernel at 32 and 64 value columns a CTA
-WIDE = ("gdn_fwd", 14)          # the fused kernel at 128, and the widths' step costs (STEP)
 CHUNK_SIZE = 64                 # C: tokens per chunk
 HEAD_DIM = 128                  # K = V = 128 only (the warm-up kernel's M is K x K)
 
 
-def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
+class Widths(NamedTuple):
+    """What the pipeline launches at each width BV, and what the launch costs there."""
+    kernels: dict  # BV -> the stage whose fused kernel (``_compiled(H, HV, K, V, BV)``) runs at BV
+    step: dict     # BV -> a chunk step of that kernel, in chunk steps at BV = 64
+    nvtx: str      # the NVTX range of the pipeline's launches
+
+
+WIDTHS = Widths(kernels={32: ("gdn_fwd", 12), 64: ("gdn_fwd", 12), 128: ("gdn_fwd", 14)},
+                step={32: 0.77, 64: 1.0, 128: 1.6},  # s14's STEP
+                nvtx="gdn_fwd.s15")
+
+
+def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int, step: dict = WIDTHS.step) -> int:
     """BV for a launch over sequences of ``seq_chunks`` chunks each (host integers): the width of
-    the fewest chunk steps, ``STEP[BV]`` x max(longest sequence, CTA-chunks / SMs, waves x
-    shortest sequence), where a sequence has HV x V / BV CTAs."""
-    step = stages.load(*WIDE).STEP
+    the fewest chunk steps, ``step[BV]`` x max(longest sequence, CTA-chunks / SMs, waves x
+    shortest sequence), where a sequence has HV x V / BV CTAs. With equal lengths ([1] * N) it is
+    s14's rule, waves x step."""
     ctas_per_seq = {bv: HV * (V // bv) for bv in step}
 
     def steps(bv):
@@ -57,31 +69,27 @@ def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
     return min(step, key=steps)
 
 
-def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> int:
-    """``block_v`` of the sequences of inputs [B, T] (or varlen ``cu_seqlens``); s14's rule, which
-    assumes equal lengths, where the lengths cannot be read (``host_bounds`` under capture)."""
+def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int, step: dict = WIDTHS.step) -> int:
+    """``block_v`` of the sequences of inputs [B, T] (or varlen ``cu_seqlens``); the equal-length
+    rule where the lengths cannot be read (``host_bounds`` under capture)."""
     bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
     if bounds is None:
-        return stages.load(*WIDE).block_v(cu_seqlens.shape[0] - 1, HV, V, num_sms)
-    return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
+        return block_v([1] * (cu_seqlens.shape[0] - 1), HV, V, num_sms, step)
+    return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms, step)
 
 
-def fused_kernel(H: int, HV: int, K: int, V: int, BV: int):
-    """The compiled fused kernel for BV: s12's at 32 and 64, s14's at 128 (the same arguments)."""
-    return stages.load(*(WIDE if BV == 128 else NARROW))._compiled(H, HV, K, V, BV)
-
-
-def kernel_source() -> str:
-    """The CUDA C++ generated for sm_90a at the default shape: phase 1's kernel, then the fused
-    kernels (s12's at 64, s14's at 128)."""
-    return (stages.load(*WARMUP).kernel_source() + stages.load(*NARROW).kernel_source()
-            + stages.load(*WIDE).kernel_source())
+def kernel_source(widths: Widths = WIDTHS) -> str:
+    """The CUDA C++ generated for sm_90a at the default shape: phase 1's kernel, then each fused
+    kernel of ``widths`` (s15's: s12's and s14's)."""
+    fused = dict.fromkeys(widths.kernels.values())  # each stage once, in width order
+    return stages.load(*WARMUP).kernel_source() + "".join(stages.load(*k).kernel_source() for k in fused)
 
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, widths: Widths = WIDTHS):
     """``run`` with the split chosen by the caller: ``cp`` None decides (``autocp.segment_chunks``),
-    False never splits, True splits by the rule, an int is the segment length in chunks."""
+    False never splits, True splits by the rule, an int is the segment length in chunks; the fused
+    kernels and their steps are ``widths``'."""
     warm = stages.load(*WARMUP)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -92,12 +100,12 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     g_cum = stages.load("chunk_local_cumsum", 1).run(g, cu_seqlens, CHUNK_SIZE).contiguous()
     ab, gated = stages.load(*SOLVE).solve(k, beta, g_cum, cu_seqlens)
     sms = autocp.num_sms(device)
-    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
+    BV = launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
     # the plan cuts segments for 2 CTAs a head (s11's); a split must beat BV 32's shorter steps
     p = autocp.plan(cu_seqlens, B, T, HV, sms, V // 64, device, force=cp,
-                    unsplit_step=autocp.NARROW_STEP if BV == 32 else 1.0)
+                    unsplit_step=widths.step[32] if BV == 32 else 1.0)
     if p is None:
-        o, ht = _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV)
+        o, ht = _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths)
         return o, (ht if output_final_state else None)
 
     N, J = p.num_seqs, p.max_segments
@@ -109,26 +117,27 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     win_start, exact, _ = autocp.warmup(p, g_cum.view(B * T, HV), autocp.bound_violations(k, g, beta),
                                         threshold)
     z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
-    with nvtx_range("gdn_fwd.s15"):
+    with nvtx_range(widths.nvtx):
         warm._compiled(H, HV)(k.view(B * T, H, K), w.view(B * T, HV, K), u.view(B * T, HV, V),
                               g_cum.view(B * T, HV), win_start, p.slot_start, exact, z, m)
     # phase 2: the initial state of every segment row
     h_seg = autocp.segment_initial_states(p, h0, z, m)
-    # phase 3: the fused kernel over all segments (of equal length: s14's rule), each from its own
+    # phase 3: the fused kernel over all segments (of equal length), each from its own
     # state; gated's rows per segment are the whole sequences' chunk rows (p.first_chunk)
     rows = p.bounds.shape[0] - 1
     o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
     ht = torch.empty(h_seg.shape, **fp32)
-    with nvtx_range("gdn_fwd.s15"):
-        fused_kernel(H, HV, K, V, stages.load(*WIDE).block_v(rows, HV, V, sms))(
+    BV = block_v([1] * rows, HV, V, sms, widths.step)
+    with nvtx_range(widths.nvtx):
+        stages.load(*widths.kernels[BV])._compiled(H, HV, K, V, BV)(
             q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, HV, V),
             ab.view(B * T, HV, CHUNK_SIZE), g_cum.view(B * T, HV), gated,
             h_seg, p.bounds, p.first_chunk, scale, o, ht)
     return o.view(B, T, HV, V), (ht.index_select(0, p.last_segment) if output_final_state else None)
 
 
-def _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV):
-    """The fused kernel at BV over whole sequences -> (o [B, T, HV, V], final state [N, HV, K, V])."""
+def _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths):
+    """``widths``' fused kernel at BV over whole sequences -> (o [B, T, HV, V], final state [N, HV, K, V])."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -140,8 +149,8 @@ def _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV):
     o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=device)
     if B * T:
-        with nvtx_range("gdn_fwd.s15"):
-            fused_kernel(H, HV, K, V, BV)(
+        with nvtx_range(widths.nvtx):
+            stages.load(*widths.kernels[BV])._compiled(H, HV, K, V, BV)(
                 q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V),
                 ab.reshape(B * T, HV, CHUNK_SIZE), g_cum.reshape(B * T, HV), gated,
                 initial_state.to(torch.float32).contiguous(), bounds, first_chunk, scale, o, ht)
@@ -151,17 +160,18 @@ def _fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV):
 
 
 def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-        cu_seqlens=None, chunk_size=CHUNK_SIZE):
+        cu_seqlens=None, chunk_size=CHUNK_SIZE, widths: Widths = WIDTHS):
     """The chunked GDN forward (``flashqla.reference.chunk_gated_delta_rule_ref``) -> (o, final state)."""
+    name = widths.nvtx
     if chunk_size != CHUNK_SIZE:
-        raise ValueError(f"gdn_fwd.s15: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
+        raise ValueError(f"{name}: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     if K != HEAD_DIM:
-        raise ValueError(f"gdn_fwd.s15: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
+        raise ValueError(f"{name}: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
     if V != HEAD_DIM:
-        raise ValueError(f"gdn_fwd.s15: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
+        raise ValueError(f"{name}: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
     if HV % H:
-        raise ValueError(f"gdn_fwd.s15: `v` must have a number of value heads HV that is a "
+        raise ValueError(f"{name}: `v` must have a number of value heads HV that is a "
                          f"multiple of the H = {H} heads of q; got HV = {HV}")
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, widths=widths)
