@@ -34,9 +34,22 @@ also fits 96 registers without spills, but its 45.5 KiB would still allow only f
 Precision: s02's, operation for operation (the same fp32 sums in the same order, the same bf16
 store); the flagged head's K K^T * Gamma is masked to rows < n as in s02.
 
-Measured effect: not yet measured on a GPU. Its GPU tests (the public shapes in
-``tests/test_stages.py``, the flags and the flagged partial chunks in
-``tests/test_reformulation.py``) have not run yet.
+Measured effect (one H100, commit 188c42c, each solve alone under CUDA-graph replay, median of
+20; 8 x 4096 and 1 x 32768 of every public layout): bitwise the same Ab and flags as s02, and
+0.85-1.16x its time, so it is not promoted:
+
+    HV / H = 1, (16, 16)                 0.85-0.86x   (s02 has one head a CTA too, at 45.5 KiB)
+    HV / H = 2, (16, 32)                 0.94-0.96x
+    HV / H = 3, (8, 24), (16, 48)        1.00-1.01x
+    HV / H = 4, (2, 8) (4, 16) (8, 32) (16, 64)   1.10-1.16x   ((16, 64) 8 x 4096: 0.564 against 0.515 ms)
+
+Five CTAs an SM pay only where s02 had no K K^T to share; with four value heads a key head, the
+fourfold K K^T products and K reads cost more than the occupancy gains. The solve stays
+latency-bound: FlashQLA's kkt_solve, one value head a CTA as here, took 116 us against s02's 129
+on (16, 64) 1 x 8192 (Nsight Compute, above), so what it does better is inside the CTA.
+
+GPU tests: the public shapes (``tests/test_stages.py``), the flags and the flagged partial chunks
+(``tests/test_reformulation.py``) pass (4 x H100, commit 51893cc).
 """
 
 import functools

@@ -2,24 +2,29 @@
 32 or 64 value columns a CTA on s12's kernel, 128 on s14's.
 
 What changed from s13: ``block_v`` takes the sequences' chunk counts, not only their number. It
-weighs each width's chunk steps (``STEP``, s14's) by the larger of three floors on the launch's
-time in steps: the longest sequence (its CTAs walk it alone), the CTA-chunks spread over all SMs,
-and the waves of CTAs times the shortest sequence (a wave is at least that long). The lengths come
-from ``flashqla.varlen.host_bounds``: one read of ``cu_seqlens`` per tensor, kept for the capture
-that follows an eager call; inside a capture that has no eager call before it, the width falls back
-to s14's equal-length rule. At 32 and 64 the kernel is s12's (s14's own is 1.00-1.08x slower there,
+weighs each width's chunk steps (``WIDTHS.step``: s14's ``STEP``) by the larger of three floors on
+the launch's time in steps: the longest sequence (its CTAs walk it alone), the CTA-chunks spread
+over all SMs, and the waves of CTAs times the shortest sequence (a wave is at least that long).
+With equal lengths that is s14's rule, waves x step. The lengths come from
+``flashqla.varlen.host_bounds``: one read of ``cu_seqlens`` per tensor, kept for the capture that
+follows an eager call; inside a capture that has no eager call before it, the width falls back to
+the equal-length rule. At 32 and 64 the kernel is s12's (s14's own is 1.00-1.08x slower there,
 ``kernel_width.csv``), at 128 s14's. The AutoCP plan and its segments are s13's; the segments of
-phase 3 are of equal length by construction, so their launch takes s14's rule.
+phase 3 are of equal length by construction, so their launch takes the equal-length rule. Which
+kernel runs at each width, and its step there, is one ``Widths`` record (s17 runs this pipeline
+on another).
 
 Why: s14's kernel at 128 is 0.76-0.83x s12's on the batches of 8 sequences where the wave rule
 picks it, but that rule, blind to the lengths, also picks it on 28672 + 4096 of (16, 48) and
-(16, 64), where it is 1.36-1.57x slower; and s12's own rule picks 64 on 28672 + 4096 of (8, 24),
-(8, 32) and (16, 32), where 32 is 0.80-0.90x the time. On every one of the 31 problems of
-``profiles/results/kernel_width.csv`` this rule picks the fastest of s12 at 32, s12 at 64 and s14 at
-128 (``tests/test_stages.py::test_s15_width_is_the_fastest_measured``).
+(16, 64), where it is 1.35-1.59x slower; and s12's own rule picks 64 on 28672 + 4096 of (8, 24),
+(8, 32) and (16, 32), where 32 is 0.80-0.90x the time. On every one of the 40 problems of
+``profiles/results/kernel_width.csv`` (4 x H100, commit 51893cc) this rule picks the fastest of s12
+at 32, s12 at 64 and s14 at 128 (``tests/test_stages.py::test_width_rules_pick_the_fastest_measured``).
 
-Measured effect: not yet measured (written after the session's GPU time was spent; its kernels are
-s12's and s14's, both GPU-tested at every width).
+Measured effect (``python -m flashqla bench``, all 40 problems, 4 x H100, commit 188c42c):
+0.91-1.24x s13, geomean 1.03x; 1.11-1.18x on 8 x 4096 of six layouts (128 columns) and 1.10-1.24x
+on 28672 + 4096 of (8, 24), (8, 32) and (16, 32) (32 columns); the one loss, 0.91x, is (2, 8)
+1 x 32768, which AutoCP splits.
 
 Taught in: notebooks/05_autocp.py (AutoCP) and notebooks/04_reformulation.py (the widths)
 """

@@ -23,7 +23,13 @@ What the SASS shows (nvcc 13.0, sm_90a, (16, 64)): the scores / output loop (two
 STG outside the partial-chunk branch; 1966 instructions against s14's 1913; 128 registers, no
 spills; the shared memory is s14's (o_shared is reused, the store waits for its read).
 
-Measured effect: not yet measured (written after the session's GPU time was spent).
+Measured effect (``profiles/kernel_width_lab.py``, 4 x H100, commit 51893cc, the fused kernels
+alone under CUDA-graph replay, ``profiles/results/kernel_width.csv``): 0.78-0.87x s14's time at 128
+on all 40 problems ((16, 64) 8 x 4096: 0.807 against 0.953 ms, s12 at 64 1.228) and 0.84-0.99x
+s12's at 64; at 32, 0.96-1.07x s12's, so the widths' pipeline (s17) keeps s12's kernel there. The
+whole forward, on s14's equal-length width rule (``python -m flashqla bench``, 4 x H100, commit
+188c42c): 0.96-1.17x s14, geomean 1.04x. The MEMBAR was the cost: O's 0.5 GB on (16, 64) 8 x 4096
+now leaves while the chain runs.
 
 Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns")
 """
