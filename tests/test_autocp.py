@@ -72,7 +72,7 @@ def test_decision_rule():
 def measured_splits():
     """(what, rule's arguments, speed-up of the split) for every split a committed run timed:
     gdn_fwd.csv's AutoCP stage against its chain alone (s06 / s05, s08 / s07) where they
-    differ by more than 2 % (the run split there). Not autocp.csv's forced splits: they ran s03's
+    differ by more than 8 % (the run split there: ``bench.autocp_splits_timed``). Not autocp.csv's forced splits: they ran s03's
     chain, 1.77x slower a step, where splits pay from shorter sequences (autocp.segment_chunks)."""
     out = []
     for label, cp, alone, split in bench.autocp_splits_timed(bench.read_csv(bench.RESULTS / "gdn_fwd.csv")):
@@ -84,7 +84,7 @@ def measured_splits():
 
 def test_decision_rule_splits_where_the_measured_splits_won():
     cases = measured_splits()
-    assert len(cases) >= 8, cases
+    assert len(cases) >= 6, cases
     for what, args, speedup in cases:
         splits = autocp.segment_chunks(*args, 132, 2) > 0
         assert splits == (speedup > 1), (what, args, f"{speedup:.2f}x", "split" if splits else "no split")
