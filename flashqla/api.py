@@ -1,8 +1,9 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
-TileLang kernels (``flashqla.fwd``, gdn_fwd.s13's: chunk-local cumsum, the gate-free solve, and
-the warp-specialized fused state chain + output kernel on the reformulated math) and so does the
+TileLang kernels (``flashqla.fwd``, gdn_fwd.s17's: chunk-local cumsum, the gate-free solve, and
+the warp-specialized fused state chain + output kernel on the reformulated math, its width from the
+sequence lengths) and so does the
 backward
 (``flashqla.bwd``, promoted from ``kernels/gdn_bwd``): autograd saves only the inputs, the backward
 recomputes the forward's intermediates, and gradients reach every input, ``initial_state``
@@ -39,6 +40,7 @@ import torch
 from flashqla import reference
 from flashqla.hopper import hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
+from flashqla.varlen import host_bounds
 
 # Activations the reference path accepts; the state is float32 (float64 for float64 inputs).
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -96,9 +98,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
             _fail("q", "batch size 1 when cu_seqlens is given (sequences are packed along T)", f"B = {B}")
         N = cu_seqlens.numel() - 1
         # reading the values syncs with the GPU, which a CUDA graph capture forbids: a graph
-        # replays what its eager runs checked
-        if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-            cu = cu_seqlens.tolist()
+        # replays what its eager runs checked (``host_bounds`` reads them once per tensor version,
+        # and the forward takes its kernel width from the same read)
+        cu = host_bounds(cu_seqlens)
+        if cu is not None:
             if cu[0] != 0:
                 _fail("cu_seqlens", "starting at 0", f"cu_seqlens[0] = {cu[0]}")
             if any(b < a for a, b in zip(cu, cu[1:])):

@@ -507,14 +507,15 @@ def heads_and_lengths(label: str) -> tuple[int, int, list[int]]:
 
 def autocp_splits_timed(rows: list[dict]) -> list[tuple[str, str, float, float]]:
     """(problem label, AutoCP stage, ms of its chain alone, ms with CP) wherever a forward run split:
-    the AutoCP stage (s06 over s05's kernel, s08 over s07's) and its chain differ by more than 2 %.
+    the AutoCP stage (s06 over s05's kernel, s08 over s07's) and its chain differ by more than 8 %
+    (where nothing is split, the two rows of the 4 x H100 run at 188c42c differ by up to 7 %).
     Not s11 over s10: s11 also runs another solve (gate_free_solve.s02), so the two differ where
     nothing is split."""
     ms = {(r["problem"], r["impl"].split("/")[-1][:3]): float(r["ms"]) for r in rows if r["ms"]}
     return [(label, cp, ms[label, chain], ms[label, cp])
             for label in dict.fromkeys(r["problem"] for r in rows)
             for cp, chain in (("s06", "s05"), ("s08", "s07"))
-            if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.02]
+            if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.08]
 
 
 def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:

@@ -3,11 +3,13 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s13's:
-gate_free_solve.s02's blocked solve and s12's fused kernel (s07's reformulated, warp-specialized
-kernel with a lean chain, s10, at 32 or 64 value columns a CTA per launch) with AutoCP (s06's
-plan and warm-up, as in s08; a split must beat the narrow launch, ``autocp.NARROW_STEP``). Its kernels (measurements from each stage's docstring and
-``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200):
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s17's:
+gate_free_solve.s02's blocked solve and a fused kernel whose width comes from the sequence
+lengths (``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean
+chain, s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup,
+s14, with O stored by TMA) at 64 and 128; with AutoCP (s06's plan and warm-up, as in s08; a split
+must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each stage's docstring and
+``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
     gate_free_solve.s02      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
@@ -48,17 +50,27 @@ plan and warm-up, as in s08; a split must beat the narrow launch, ``autocp.NARRO
                                                        output and producer warpgroups, mbarrier
                                                        hand-offs), the chain's per-chunk path
                                                        without mask or exp (s10: 1.05-1.14x s07's
-                                                       forward), BV = 32 value columns a CTA where
-                                                       the narrow CTAs fit one wave, else 64
-                                                       (``block_v``; s12: 1.16-1.32x s10 on the 21
-                                                       problems that go narrow). This path (s13's,
-                                                       4 x H200, commit 7ccb1ae) is 0.92-2.35x FLA
+                                                       forward), here at BV = 32 value columns a
+                                                       CTA (``block_v``; s12: 1.16-1.32x s10 on the
+                                                       21 problems that go narrow). s13's path (
+                                                       4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
                                                        and 0.49-6.30x FlashQLA (geomean 1.51x,
                                                        0.90x); (16, 64) 1 x 32768: 1.739 ms,
                                                        FlashQLA 1.532, FLA 3.456
+    gdn_fwd.s16 (fused,      the same inputs and outputs, at BV = 64 or 128: S alone in a state
+     64 and 128)                                       warpgroup (s14), so one CTA may own all 128
+                                                       value columns of a head; O stored by TMA, a
+                                                       whole chunk at a time. 0.84-0.99x s12's kernel
+                                                       time at 64, 0.78-0.87x s14's at 128; at 128
+                                                       0.66-0.73x s12's best where the lengths give
+                                                       enough waves (8 x 4096 of all layouts but
+                                                       (2, 8) and (8, 24); 4 x H100, 51893cc,
+                                                       kernel_width.csv)
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
-the decision from host integers, the segment table on the device), with no host synchronization.
+the decision from host integers, the segment table on the device), with no host synchronization
+beyond the one read of ``cu_seqlens`` per tensor that the API's validation makes
+(``flashqla.varlen.host_bounds``), which also gives the kernel width.
 Without a split the fused kernel walks whole sequences. With one, chunk_fwd_intra gives w, u, the
 warm-up kernel runs the chain over each segment's warm-up window (Z; and M, the previous
 segment's transition, for heads whose window is the whole previous segment), a batched matmul per
@@ -74,7 +86,7 @@ import torch
 from flashqla import autocp
 from flashqla.hopper import compile_hopper
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import chunk_table, seq_bounds
+from flashqla.varlen import chunk_table, host_bounds, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
@@ -106,6 +118,20 @@ NUM_HANDOFF = 2       # slots for S_c, WY_c, V~_c and P_c: chunk c + 1's are wri
                       # chunk c's are still read
 HANDOFF_SLOTS = (0, 1)  # the chain and output unroll their chunk loop over them
 assert NUM_STAGES == NUM_HANDOFF == len(HANDOFF_SLOTS)  # chunk c's stage is its slot, c % 2
+# ---- gdn_fwd.s16's fused kernel at BV = 64 and 128: roles, one warpgroup each, in thread order
+# (s16's names, prefixed WIDE_); its producer's budget is REGS_PRODUCER, its tile stages NUM_STAGES
+WIDE_BLOCK_V = 128               # all the value columns of a head
+WIDE_STATE_END = 1 * WARPGROUP   # [0, 128)   state: owns S; its snapshot, decay and update
+WIDE_VALUE_END = 2 * WARPGROUP   # [128, 256) value: U = K S_c, W, V~ = WY W, Vd
+WIDE_SCORES_END = 3 * WARPGROUP  # [256, 384) scores and output: WY, P; O = scale exp(g) Q S_c + P V~
+WIDE_THREADS = 4 * WARPGROUP     # [384, 512) producer: TMA loads of q, k, v, Ab; the gates
+REGS_WIDE_STATE = 168            # S (128 fp32 a thread)
+REGS_WIDE_VALUE = 128            # U / W / V~ / Vd (64)
+REGS_WIDE_SCORES = 192           # O (64) while Gamma (32) and P (32) of the next chunk are built
+assert REGS_PRODUCER + REGS_WIDE_STATE + REGS_WIDE_VALUE + REGS_WIDE_SCORES <= 4 * 128
+STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
+        BLOCK_V: 1.0,            # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
+        WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
@@ -480,10 +506,28 @@ def chunk_parts(num_seq_chunks):
             (num_seq_chunks - 1, 1, HANDOFF_SLOTS[:1], num_seq_chunks % 2 == 1))
 
 
-def block_v(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
-    """BV for a launch of the fused kernel (gdn_fwd.s12's rule), host integers only: NARROW_BLOCK_V
-    when its CTAs (num_seqs x HV x V / BV, one per SM) still fit one wave, else BLOCK_V."""
-    return NARROW_BLOCK_V if num_seqs * HV * (V // NARROW_BLOCK_V) <= num_sms else BLOCK_V
+def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
+    """BV for a launch of the fused kernel over sequences of ``seq_chunks`` chunks each (gdn_fwd.s15's
+    rule on s17's steps), host integers only: the width of the fewest chunk steps, ``STEP[BV]`` x max(longest
+    sequence, CTA-chunks / SMs, waves x shortest sequence), where a sequence has HV x V / BV CTAs.
+    With equal lengths ([1] * N) it is gdn_fwd.s14's rule, waves x STEP."""
+    ctas_per_seq = {bv: HV * (V // bv) for bv in STEP}
+
+    def steps(bv):
+        waves = -(-len(seq_chunks) * ctas_per_seq[bv] // num_sms)
+        return STEP[bv] * max(max(seq_chunks), ctas_per_seq[bv] * sum(seq_chunks) / num_sms,
+                              waves * min(seq_chunks))
+    return min(STEP, key=steps)
+
+
+def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> int:
+    """``block_v`` of the sequences of inputs [B, T] (or varlen ``cu_seqlens``, whose values
+    ``host_bounds`` reads once per tensor); equal lengths assumed where they cannot be read (inside
+    a CUDA-graph capture with no eager call before it)."""
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    if bounds is None:
+        return block_v([1] * (cu_seqlens.shape[0] - 1), HV, V, num_sms)
+    return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
 def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
@@ -697,10 +741,234 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
     return gdn_fused_ws_lean
 
 
+# ---- promoted from kernels/gdn_fwd/s16_output_by_tma_store.py (roles renamed WIDE_...)
+def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
+    """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
+    state per CTA (32, 64 or 128); any token or sequence count."""
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
+
+    C = CHUNK_SIZE
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_bounds = T.dynamic("num_bounds")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gdn_fused_state_value(
+        q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve: rows per token
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
+        h0: T.Tensor((num_seqs, HV, K, V), "float32"),
+        bounds: T.Tensor((num_bounds,), "int32"),              # sequence starts, then the total
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # each sequence's first chunk row
+        scale: T.float32,
+        o: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ht: T.Tensor((num_seqs, HV, K, V), "float32"),
+    ):
+        with T.Kernel(V // BV, HV, num_seqs, threads=WIDE_THREADS) as (i_v, i_hv, i_n):
+            i_h = i_hv // group
+            v0 = i_v * BV
+            bos = bounds[i_n]
+            eos = bounds[i_n + 1]
+            row0 = first_chunk[i_n]
+            num_seq_chunks = T.ceildiv(eos - bos, C)
+
+            # tile stages (producer -> consumers); g holds log2(e) g_cum. v_s[b] then holds W
+            # (value), ab_s[b] then holds WY (scores -> value)
+            q_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # scores
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # state, value, scores
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # value
+            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # scores, value
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # scores
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # value: exp(g); state: exp(g_C)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # value: exp(g_C - g)
+            p_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")      # scores -> output (same WG)
+            # single hand-off buffers: S_c (state -> value, output), V~_c (value -> output),
+            # Vd_c (value -> state)
+            h_s = T.alloc_shared((K, BV), "bfloat16")
+            vn_s = T.alloc_shared((C, BV), "bfloat16")
+            vd_s = T.alloc_shared((C, BV), "bfloat16")
+            o_s = T.alloc_shared((C, BV), "bfloat16")                # output: O, for whole-row stores
+            # registers of the state, value and scores / output warpgroups
+            h_f = T.alloc_fragment((K, BV), "float32")
+            x_f = T.alloc_fragment((C, BV), "float32")             # U, then W, V~, Vd
+            gam_f = T.alloc_fragment((C, C), "float32")
+            p_f = T.alloc_fragment((C, C), "float32")
+            o_f = T.alloc_fragment((C, BV), "float32")
+            keep = T.alloc_var("int32")                            # this chunk's gated flag
+            # v_s and ab_s are read and written in the accumulator layout
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
+
+            # ---- barriers; arrive counts: every thread of each arriving role arrives once
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)       # producer -> all
+            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_scores_ready = T.alloc_barrier([WARPGROUP] * NUM_STAGES)     # scores -> value, output
+            bar_state_ready = T.alloc_barrier(WARPGROUP)                     # state -> value, output
+            bar_state_free = T.alloc_barrier(WARPGROUP)                      # output -> state
+            bar_vd_ready = T.alloc_barrier(WARPGROUP)                        # value -> state
+            bar_vn_ready = T.alloc_barrier(WARPGROUP)                        # value -> output
+            bar_vn_free = T.alloc_barrier(WARPGROUP)                         # output -> value
+
+            tx = T.get_thread_binding()
+            if tx < WIDE_STATE_END:  # ---- the state warpgroup
+                T.set_max_nreg(REGS_WIDE_STATE, 1)
+                # S <- h0
+                T.copy(h0[i_n, i_hv, :, v0:v0 + BV], h_f)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:  # the odd last chunk under an `if` (s12's chunk_parts says why)
+                        for r in T.serial(reps):
+                            for b in slots:
+                                c = c0 + 2 * r + b
+                                T.barrier_wait(bar_tiles_full[b], (c // NUM_STAGES) % 2)
+                                # h_shared is free once the output warpgroup has read S_{c-1}
+                                # (the value warpgroup read it before handing Vd_{c-1} over)
+                                T.barrier_wait(bar_state_free, c % 2 ^ 1)
+                                # S_c -> bf16, the operand of K S_c and Q S_c
+                                T.copy(h_f, h_s)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_state_ready)
+                                # S <- exp(g_C) S while the value warpgroup builds Vd
+                                for i, j in T.Parallel(K, BV):
+                                    h_f[i, j] = h_f[i, j] * eg_s[b, C - 1]
+                                # S <- S + K^T Vd
+                                T.barrier_wait(bar_vd_ready, c % 2)
+                                T.gemm(k_s[b, :, :], vd_s, h_f, transpose_A=True)
+                                T.barrier_arrive(bar_tiles_empty[b])
+                T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
+
+            elif tx >= WIDE_STATE_END and tx < WIDE_VALUE_END:  # ---- the value warpgroup
+                T.set_max_nreg(REGS_WIDE_VALUE, 1)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:
+                        for r in T.serial(reps):
+                            for b in slots:
+                                c = c0 + 2 * r + b
+                                T.barrier_wait(bar_tiles_full[b], (c // NUM_STAGES) % 2)
+                                T.barrier_wait(bar_state_ready, c % 2)
+                                # U <- K S_c
+                                T.gemm(k_s[b, :, :], h_s, x_f, clear_accum=True)
+                                # W <- V - diag(exp(g)) U, over the V tile; rows >= n are finite
+                                # and meet only WY's zero columns, so V~ needs no mask
+                                for i, j in T.Parallel(C, BV):
+                                    x_f[i, j] = v_s[b, i, j] - eg_s[b, i] * x_f[i, j]
+                                T.copy(x_f, v_s[b, :, :])
+                                T.fence_proxy_async()
+                                # V~ <- WY W, WY from the scores warpgroup (over the Ab tile)
+                                T.barrier_wait(bar_scores_ready[b], (c // NUM_STAGES) % 2)
+                                T.gemm(ab_s[b, :, :], v_s[b, :, :], x_f, clear_accum=True)
+                                # V~_c -> vn_shared once the output has read V~_{c-1}
+                                T.barrier_wait(bar_vn_free, c % 2 ^ 1)
+                                T.copy(x_f, vn_s)
+                                # Vd <- diag(exp(g_C - g)) V~ -> vd_shared (the state has read
+                                # Vd_{c-1}: it handed S_c over after its update)
+                                for i, j in T.Parallel(C, BV):
+                                    x_f[i, j] = x_f[i, j] * egd_s[b, i]
+                                T.copy(x_f, vd_s)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_vd_ready)
+                                T.barrier_arrive(bar_vn_ready)
+                                T.barrier_arrive(bar_tiles_empty[b])
+
+            elif tx >= WIDE_VALUE_END and tx < WIDE_SCORES_END:  # ---- the scores / output warpgroup
+                T.set_max_nreg(REGS_WIDE_SCORES, 1)
+                # step c: the first half of chunk c - 1's output, chunk c's scores, the second
+                # half of chunk c - 1's output (stage s = c % 2 for the scores, 1 - s for the output)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks + 1):
+                    if present:
+                        for r in T.serial(reps):
+                            for s in slots:
+                                c = c0 + 2 * r + s
+                                b = 1 - s
+                                t0 = bos + (c - 1) * C
+                                if c >= 1:
+                                    # O <- scale diag(exp g) Q S_{c-1}
+                                    T.barrier_wait(bar_state_ready, (c - 1) % 2)
+                                    T.gemm(q_s[b, :, :], h_s, o_f, clear_accum=True)
+                                    T.barrier_arrive(bar_state_free)
+                                    for i, j in T.Parallel(C, BV):
+                                        o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[b, i]))
+                                    # this warpgroup is done with chunk c - 1's tiles (P_{c-1} is in
+                                    # p_shared): the producer may load chunk c + 1 while the chain
+                                    # still runs chunk c - 1
+                                    T.barrier_arrive(bar_tiles_empty[b])
+                                if c < num_seq_chunks:
+                                    keep = gated[row0 + c, i_hv]
+                                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                                    # Gamma <- exp(g_i - g_j), the exponent clamped at 0 so that
+                                    # the upper triangle (masked below) stays finite: no branch
+                                    for i, j in T.Parallel(C, C):
+                                        gam_f[i, j] = T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
+                                    # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal
+                                    T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True,
+                                           clear_accum=True)
+                                    for i, j in T.Parallel(C, C):
+                                        p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
+                                    T.copy(p_f, p_s[s, :, :])
+                                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on
+                                    # j <= i < n, 0 elsewhere (n: the chunk's tokens), built in P's
+                                    # registers (Ab loaded unmasked, then selected: no branch),
+                                    # then stored over the Ab tile
+                                    T.copy(ab_s[s, :, :], p_f)
+                                    for i, j in T.Parallel(C, C):
+                                        p_f[i, j] = T.if_then_else(
+                                            (j <= i) & (i < eos - bos - c * C),
+                                            p_f[i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
+                                    T.copy(p_f, ab_s[s, :, :])
+                                    T.fence_proxy_async()
+                                    T.barrier_arrive(bar_scores_ready[s])
+                                if c >= 1:
+                                    # O <- O + P_{c-1} V~_{c-1} (P from every thread of this
+                                    # warpgroup: its barrier)
+                                    T.barrier_wait(bar_scores_ready[b], ((c - 1) // NUM_STAGES) % 2)
+                                    T.barrier_wait(bar_vn_ready, (c - 1) % 2)
+                                    T.gemm(p_s[b, :, :], vn_s, o_f)
+                                    T.barrier_arrive(bar_vn_free)
+                                    # o[t0 : t0 + n] <- O through shared memory: a whole chunk by one
+                                    # TMA store (the async proxy: this warpgroup's next fence does
+                                    # not wait for it), a sequence's partial last chunk row by row
+                                    T.copy(o_f, o_s)
+                                    if eos - t0 >= C:
+                                        T.copy(o_s, o[t0:t0 + C, i_hv, v0:v0 + BV])
+                                    else:
+                                        for i, j in T.Parallel(C, BV):
+                                            if i < eos - t0:
+                                                o[t0 + i, i_hv, v0 + j] = o_s[i, j]
+
+            elif tx >= WIDE_SCORES_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for c in T.serial(num_seq_chunks):
+                    s = c % NUM_STAGES
+                    t0 = bos + c * C
+                    T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
+                    # full 64-row boxes; rows past the sequence end are masked by the consumers
+                    T.tma_copy(q[t0:t0 + C, i_h, :], q_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, v0:v0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
+                    # g <- log2(e) g_cum, rows past the end padded with the last real row, so every
+                    # exponent (g_i - g_j with i >= j, g_C - g_i, g_i, g_C) is <= 0
+                    for i in T.Parallel(C):
+                        g_s[s, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
+                    # the row factors exp(g_i) and exp(g_C - g_i) (exp(g_C) is the last of the first)
+                    for i in T.Parallel(C):
+                        eg_s[s, i] = T.exp2(g_s[s, i])
+                        egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
+                    T.barrier_arrive(bar_tiles_full[s])
+
+    return gdn_fused_state_value
+
+
 # compile options beyond the target, as the stages use them. The fused kernel: no shared-memory
 # reuse (TileLang plans it as if the role branches ran one after another), fast math (exp2 is one
 # ex2.approx, no branch)
-PASS_CONFIGS = {fused_reform_kernel: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}}
+PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
+                for builder in (fused_reform_kernel, fused_state_value_kernel)}
 
 
 @functools.cache
@@ -739,9 +1007,10 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         _compiled(gate_free_solve_kernel, H, HV, HV // H)(k, beta, g_cum, chunks, ab, gated)
 
     sms = autocp.num_sms(device)
-    narrow = block_v(N, HV, V, sms) == NARROW_BLOCK_V  # then the split must beat BV 32's shorter steps
+    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
+    # the plan cuts segments for 2 CTAs a head; a split must beat BV 32's shorter steps
     p = autocp.plan(cu_seqlens, B, T, HV, sms, V // BLOCK_V, device, force=cp,
-                    unsplit_step=autocp.NARROW_STEP if narrow else 1.0)
+                    unsplit_step=STEP[NARROW_BLOCK_V] if BV == NARROW_BLOCK_V else 1.0)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
         # phase 1: w, u (the warm-up kernel's chain reads them), then Z (and M for exact heads) of
@@ -758,11 +1027,12 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         h0 = autocp.segment_initial_states(p, h0, z, m)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
+        BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths
     ht = torch.empty(h0.shape, **fp32)
-    BV = block_v(seqs.shape[0] - 1, HV, V, sms)        # segment rows count as sequences
+    builder = fused_reform_kernel if BV == NARROW_BLOCK_V else fused_state_value_kernel
     with nvtx_range("fwd.chunk_h_o"):
-        _compiled(fused_reform_kernel, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs,
-                                                        first_chunk, scale, o, ht)
+        _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
+                                            scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -44,6 +44,29 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
+HOST_BOUNDS_CACHE = 64  # cu_seqlens tensors whose values are kept on the host (FLA keeps 4 tables)
+_host_bounds: dict = {}
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int] | None:
+    """``cu_seqlens`` as host integers, or None inside CUDA-graph capture for a tensor not read
+    before. Reading the values is a device-to-host copy, which synchronizes and which a capture
+    forbids, so each (tensor, version) is read once and kept: the eager call before a capture (a
+    graph replays what its eager runs checked) leaves the values for the capture. A tensor edited
+    in place has a new version and is read again."""
+    key = (id(cu_seqlens), cu_seqlens._version)
+    hit = _host_bounds.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    if capturing(cu_seqlens.device):
+        return None
+    value = cu_seqlens.tolist()
+    _host_bounds[key] = (weakref.ref(cu_seqlens), value)
+    while len(_host_bounds) > HOST_BOUNDS_CACHE:
+        del _host_bounds[next(iter(_host_bounds))]  # the oldest
+    return value
+
+
 def num_chunk_rows(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_size: int) -> int:
     """NT, the rows of ``chunk_table``: exact for a batch, an upper bound for varlen (no sync)."""
     if cu_seqlens is None:

@@ -15,6 +15,7 @@ For each problem of ``flashqla.bench.PROBLEMS`` (the chosen head configurations)
                         one call on input set 0, median of 20): the chunk_local_cumsum and
                         gate_free_solve.s02 outputs it reads are made once, outside the timing
     s14 f32, f64, f128  gdn_fwd.s14's fused kernel alone at BV = 32, 64 and 128, the same way
+    s16 f32, f64, f128  gdn_fwd.s16's (O by TMA store), the same way (not in the committed run)
     solve               gate_free_solve.s02 alone, the same way
     flops               ``flashqla.bench.useful_flops``
 
@@ -36,7 +37,7 @@ import os
 import sys
 from pathlib import Path
 
-FUSED = (("s12", 12, (32, 64)), ("s14", 14, (32, 64, 128)))
+FUSED = (("s12", 12, (32, 64)), ("s14", 14, (32, 64, 128)), ("s16", 16, (32, 64, 128)))
 
 
 def measure(out: Path, heads, commit: str) -> int:
@@ -99,7 +100,7 @@ def report(path: Path) -> str:
     lines = [f"{'problem':24s} {'s12 best':>14s} {'s14 best':>14s} {'s14 f128 / s12 best':>20s}"]
     for row in csv.DictReader(open(path)):
         best = {}
-        for name, _, widths in FUSED:
+        for name, _, widths in FUSED[:2]:
             bv = min(widths, key=lambda w: float(row[f"{name} f{w}"]))
             best[name] = (bv, float(row[f"{name} f{bv}"]))
         lines.append(f"{short_label(row['problem']):24s} {best['s12'][1]:9.4f} @{best['s12'][0]:<3d} "

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s13) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s17) gives."""
 
 import sys
 
@@ -20,6 +20,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
+    (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
+    (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 32, 128, 128, 64)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
     # library's BV
     (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
@@ -62,12 +64,16 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
 
 
 def test_block_v_is_the_stage_rule():
-    """The fused kernel's BV per launch is gdn_fwd.s12's rule, on both sides of its switch."""
-    s12 = load("gdn_fwd", 12)
-    for num_seqs, hv, sms in [(1, 8, 132), (1, 16, 132), (1, 32, 132), (1, 64, 132), (8, 8, 132),
-                              (2, 16, 132), (3, 16, 132), (1, 32, 114), (4, 8, 132)]:
-        assert fwd.block_v(num_seqs, hv, 128, sms) == s12.block_v(num_seqs, hv, 128, sms)
-    assert {fwd.block_v(1, 16, 128, 132), fwd.block_v(1, 64, 128, 132)} == {32, 64}
+    """The fused kernel's BV per launch is gdn_fwd.s17's rule on the lengths, also where equal
+    lengths are assumed; every width is taken somewhere."""
+    s17 = load("gdn_fwd", 17)
+    for chunks, hv, sms in [([512], 8, 132), ([512], 64, 132), ([448, 64], 64, 132), ([448, 64], 24, 132),
+                            ([64] * 8, 64, 132), ([64] * 8, 24, 132), ([64] * 8, 8, 132), ([1, 300, 7], 32, 114)]:
+        assert fwd.block_v(chunks, hv, 128, sms) == s17.block_v(chunks, hv, 128, sms)
+    for num_seqs, hv, sms in [(1, 8, 132), (1, 64, 132), (2, 64, 132), (8, 24, 132), (8, 64, 132), (3, 16, 114)]:
+        assert fwd.block_v([1] * num_seqs, hv, 128, sms) == s17.block_v([1] * num_seqs, hv, 128, sms)
+    assert {fwd.block_v([512], 16, 128, 132), fwd.block_v([512], 64, 128, 132),
+            fwd.block_v([64] * 8, 64, 128, 132)} == {32, 64, 128}
 
 
 def test_a_changed_kernel_is_caught():
@@ -78,12 +84,13 @@ def test_a_changed_kernel_is_caught():
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
+    (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.GROWTH_LIMIT", "fwd.BLOCK", "bwd.STAGES",
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.BLOCK", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -119,7 +126,7 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     x = problem.inputs("cuda", seed=1)
     B, T = x["q"].shape[:2]
     assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
-                       128 // fwd.BLOCK_V, "cuda", force=cp, unsplit_step=autocp.NARROW_STEP) is not None
+                       128 // fwd.BLOCK_V, "cuda", force=cp, unsplit_step=fwd.STEP[32]) is not None
     check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)
 
 
@@ -129,11 +136,13 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), False),        # the fused kernel on sequences
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # ... on segments
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
-], ids=["varlen-off", "varlen-L4", "batch-L3"])
+    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128 (s16's kernel)
+    (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
+], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s13's kernels in s13's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s17's kernels in s17's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 13).forward(**x, cp=cp)
+    want = load("gdn_fwd", 17).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

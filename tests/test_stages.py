@@ -74,9 +74,32 @@ def test_stage_matches_reference(stage, problem, compiled_stages):
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
 @pytest.mark.parametrize("BV", [32, 64, 128])
-def test_every_kernel_width_matches_reference(BV, problem):
-    """gdn_fwd.s14 forced to each width: ``block_v`` takes 128 only with many CTAs, which the
-    public shape set above has only for (16, 48) and (16, 64)."""
-    stage = next(s for s in STAGES if s.id == "gdn_fwd.s14")
+@pytest.mark.parametrize("stage_id", ["gdn_fwd.s14", "gdn_fwd.s16"])
+def test_every_kernel_width_matches_reference(stage_id, BV, problem):
+    """gdn_fwd.s14 and s16 forced to each width: ``block_v`` takes 128 only with many CTAs, which
+    the public shape set above has only for (16, 48) and (16, 64)."""
+    stage = next(s for s in STAGES if s.id == stage_id)
     inputs = op_inputs(stage.op, problem.inputs(device="cuda", seed=zlib.crc32(problem.label.encode())))
     check_op(stage.op, functools.partial(stage.module.run, BV=BV), inputs)
+
+
+@pytest.mark.parametrize("number,columns", [(15, ("s12 f32", "s12 f64", "s14 f128")),
+                                            (17, ("s12 f32", "s16 f64", "s16 f128"))],
+                         ids=["s15", "s17"])
+def test_width_rules_pick_the_fastest_measured(number, columns):
+    """gdn_fwd.s15's and s17's width rules, on the lengths of every problem of the committed
+    kernel_width.csv, pick the fastest of their kernels at 32, 64 and 128 measured there (4 x H100,
+    51893cc), and s14's equal-length rule does not on 28672 + 4096 of (16, 48) and (16, 64)."""
+    from flashqla import bench
+    from flashqla.stages import load
+
+    s14, stage = load("gdn_fwd", 14), load("gdn_fwd", number)
+    rows = bench.read_csv(bench.RESULTS / "kernel_width.csv")
+    assert len(rows) == len(bench.PROBLEMS)
+    for row in rows:
+        _, HV, lengths = bench.heads_and_lengths(row["problem"])
+        ms = {bv: float(row[c]) for bv, c in zip((32, 64, 128), columns)}
+        pick = stage.block_v([-(-n // stage.CHUNK_SIZE) for n in lengths], HV, 128, 132)
+        assert pick == min(ms, key=ms.get), (row["problem"], pick, ms)
+        if len(lengths) == 2 and HV >= 48:
+            assert s14.block_v(2, HV, 128, 132) == 128 and ms[128] > 1.15 * ms[pick]

@@ -85,3 +85,17 @@ def test_table_kernel_matches_the_torch_table(lengths):
         got = varlen._build_chunk_table(None, B, T, 64, cu.device)
         want = varlen._build_chunk_table_torch(None, B, T, 64, cu.device)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, T)
+
+
+def test_host_bounds_reads_each_tensor_version_once(monkeypatch):
+    """host_bounds keeps the values of a (tensor, version): a second call copies nothing; an
+    in-place edit is read again."""
+    from flashqla import varlen
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    assert varlen.host_bounds(cu) == [0, 5, 9]
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read twice"))
+    assert varlen.host_bounds(cu) == [0, 5, 9]
+    monkeypatch.undo()
+    cu[1] = 4
+    assert varlen.host_bounds(cu) == [0, 4, 9]
