@@ -103,3 +103,19 @@ def test_width_rules_pick_the_fastest_measured(number, columns):
         assert pick == min(ms, key=ms.get), (row["problem"], pick, ms)
         if len(lengths) == 2 and HV >= 48:
             assert s14.block_v(2, HV, 128, 132) == 128 and ms[128] > 1.15 * ms[pick]
+
+
+def test_width_rule_check_catches_stale_steps():
+    """The check above can fail: s15's steps (s14's table) on s17's kernels pick a slower width
+    somewhere ((8, 24) 8 x 4096: 64, where s16 at 128 is faster)."""
+    from flashqla import bench
+    from flashqla.stages import load
+
+    s15 = load("gdn_fwd", 15)
+    wrong = []
+    for row in bench.read_csv(bench.RESULTS / "kernel_width.csv"):
+        _, HV, lengths = bench.heads_and_lengths(row["problem"])
+        ms = {32: float(row["s12 f32"]), 64: float(row["s16 f64"]), 128: float(row["s16 f128"])}
+        if s15.block_v([-(-n // s15.CHUNK_SIZE) for n in lengths], HV, 128, 132) != min(ms, key=ms.get):
+            wrong.append(row["problem"])
+    assert wrong
