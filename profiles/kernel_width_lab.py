@@ -15,7 +15,7 @@ For each problem of ``flashqla.bench.PROBLEMS`` (the chosen head configurations)
                         one call on input set 0, median of 20): the chunk_local_cumsum and
                         gate_free_solve.s02 outputs it reads are made once, outside the timing
     s14 f32, f64, f128  gdn_fwd.s14's fused kernel alone at BV = 32, 64 and 128, the same way
-    s16 f32, f64, f128  gdn_fwd.s16's (O by TMA store), the same way (not in the committed run)
+    s16 f32, f64, f128  gdn_fwd.s16's (O by TMA store), the same way
     solve               gate_free_solve.s02 alone, the same way
     flops               ``flashqla.bench.useful_flops``
 
@@ -23,12 +23,12 @@ plus the provenance columns of ``flashqla.bench.versions`` and ``method``. On an
 
     python3 profiles/kernel_width_lab.py --report IN.csv
 
-prints, per problem, the fastest width of each kernel and s14 at 128 against s12's fastest.
+prints, per problem, the fastest width of each kernel, s14 at 128 against s12's fastest and s16
+against s14 at 128.
 
 ``profiles/results/kernel_width.csv`` holds one run on 4 x H100 (one process a GPU, each taking
-its own layouts) at commit 3b59463; (16, 16) has only 8 x 4096 and (8, 32) is missing: those
-processes ran out of the call's time (the draft of this lab, run from outside the tree, wrote the
-same columns).
+its own layouts), all 40 problems, at commit 51893cc (the API column there is gdn_fwd.s15's
+pipeline, the library's forward on that branch; s17's steps come from this run).
 """
 
 import argparse
@@ -94,18 +94,21 @@ def measure(out: Path, heads, commit: str) -> int:
 
 
 def report(path: Path) -> str:
-    """Per problem: s12's and s14's fastest kernel width, and s14 at 128 against s12's fastest."""
+    """Per problem: each kernel's fastest width, s14 at 128 against s12's fastest, s16 against s14
+    at 128."""
     from flashqla.bench import short_label
 
-    lines = [f"{'problem':24s} {'s12 best':>14s} {'s14 best':>14s} {'s14 f128 / s12 best':>20s}"]
+    lines = [f"{'problem':24s}" + "".join(f"{name + ' best':>16s}" for name, _, _ in FUSED)
+             + f"{'s14 f128 / s12 best':>21s}{'s16 f128 / s14 f128':>21s}"]
     for row in csv.DictReader(open(path)):
         best = {}
-        for name, _, widths in FUSED[:2]:
+        for name, _, widths in FUSED:
             bv = min(widths, key=lambda w: float(row[f"{name} f{w}"]))
-            best[name] = (bv, float(row[f"{name} f{bv}"]))
-        lines.append(f"{short_label(row['problem']):24s} {best['s12'][1]:9.4f} @{best['s12'][0]:<3d} "
-                     f"{best['s14'][1]:9.4f} @{best['s14'][0]:<3d} "
-                     f"{float(row['s14 f128']) / best['s12'][1]:20.2f}")
+            best[name] = f"{float(row[f'{name} f{bv}']):10.4f} @{bv:<4d}"
+        s12_best = min(float(row[f"s12 f{w}"]) for w in FUSED[0][2])
+        lines.append(f"{short_label(row['problem']):24s}" + "".join(best.values())
+                     + f"{float(row['s14 f128']) / s12_best:21.2f}"
+                     + f"{float(row['s16 f128']) / float(row['s14 f128']):21.2f}")
     return "\n".join(lines)
 
 
