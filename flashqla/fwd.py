@@ -52,8 +52,8 @@ must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each 
                                                        without mask or exp (s10: 1.05-1.14x s07's
                                                        forward), here at BV = 32 value columns a
                                                        CTA (``block_v``; s12: 1.16-1.32x s10 on the
-                                                       21 problems that go narrow). s13's path (
-                                                       4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
+                                                       21 problems that go narrow). s13's path
+                                                       (4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
                                                        and 0.49-6.30x FlashQLA (geomean 1.51x,
                                                        0.90x); (16, 64) 1 x 32768: 1.739 ms,
                                                        FlashQLA 1.532, FLA 3.456
