@@ -3,16 +3,17 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s17's:
-gate_free_solve.s02's blocked solve and a fused kernel whose width comes from the sequence
-lengths (``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean
-chain, s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup,
-s14, with O stored by TMA) at 64 and 128; with AutoCP (s06's plan and warm-up, as in s08; a split
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s17's,
+with gate_free_solve.s05's blocked solve (s02's, which s17 runs, at four CTAs an SM: the same
+bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule):
+s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value columns a
+CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA) at 64
+and 128; with AutoCP (s06's plan and warm-up, as in s08; a split
 must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each stage's docstring and
 ``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
-    gate_free_solve.s02      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+    gate_free_solve.s05      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
                                                                   substitution, the rest by block
@@ -98,6 +99,7 @@ BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the f
 NARROW_BLOCK_V = 32   # ... and where BLOCK_V would leave SMs idle (``block_v``): twice the CTAs
 BLOCK = 64            # state columns per CTA of the warm-up kernel
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks, one block column per warp
+MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
@@ -171,7 +173,7 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/gate_free_solve/s02_blocked_inverse.py
+# ---- promoted from kernels/gate_free_solve/s05_four_ctas_an_sm.py
 def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
     value heads of one key head (a divisor of HV / H); any token or chunk count."""
@@ -192,6 +194,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
         gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
     ):
         with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
+            T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             t = T.get_thread_binding()
             jb = t // 32                                       # this warp's block column
             c = t % 16                                         # its column within the block

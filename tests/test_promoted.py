@@ -15,7 +15,7 @@ from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
-    (fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 5), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
@@ -85,7 +85,7 @@ def test_a_changed_kernel_is_caught():
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
-    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 2), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 5), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),

@@ -21,9 +21,14 @@ keeping a copy was no smaller (K must then stay live: 47 KiB at (16, 64)) and sp
 registers; five would need the output staging gone too. gate_free_solve.s04 got five by solving one value head a CTA, and paid
 for recomputing K K^T per value head (1.10-1.16x s02's time with four value heads a key head).
 
-Measured effect: not yet measured (written when the session's GPU time was spent). Its GPU tests
-(the public shapes in ``tests/test_stages.py``; the flags and the flagged partial chunks in
-``tests/test_reformulation.py``) have not run yet.
+Measured effect (``profiles/solve_lab.py`` -> ``profiles/results/solve.csv``: each solve alone,
+CUDA-graph replay, 4 x H100, commit b31b755; its GPU tests passed there, bit for bit s02's Ab and
+flags): 0.83-0.91x s02's time with two to four value heads a key head ((16, 64) 1 x 32768: 0.441
+against 0.519 ms; (4, 16): 0.116 against 0.140), 1.00x with one ((16, 16), where ptxas already
+fit s02 in 108 registers). Against FlashQLA's kkt_solve in the same run: 0.98-1.04x its time with
+four value heads a key head, 0.89-0.92 with three, 0.83-0.84 with two, 0.77 with one; at 26-43 %
+of the copy roof. With one value head a key head s04 is the fastest solve (0.87x s02), still
+0.77x FlashQLA's speed there.
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """
