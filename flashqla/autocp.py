@@ -38,6 +38,7 @@ before the split (the ``gated`` flags of gdn_fwd.s07's and s10's fused kernels).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ CHUNK_SIZE = 64
 
 def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_heads: int,
                    num_sms: int, ctas_per_head: int, force: bool | int | None = None,
-                   unsplit_step: float = 1.0) -> int:
+                   unsplit_step: float = 1.0, warmup_steps: float = WARMUP_STEPS,
+                   min_saved: float = MIN_SAVED_CHUNKS) -> int:
     """The decision rule: chunks per segment L, or 0 for no split. Host integers only.
 
     Without CP the chain kernel runs lanes = num_heads x ctas_per_head CTAs per sequence, each as
@@ -108,6 +110,10 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     (16, 16) 1 x 32768 would be split as at BV 64, where the unsplit BV 32 launch is faster (s12
     1.08 and 1.10 ms against s11's split 1.28 and 1.43; 4 x H200, 4e37c66).
 
+    ``warmup_steps``, ``min_saved``: phase 1's cost per chunk and the fixed cost, for a pipeline
+    whose split costs less than s08's (gdn_fwd.s18: phase 1 from the solve's Ab, the plan built on
+    the host).
+
     ``force``: False never splits, True splits with this L even when J = 1, an int is L itself.
     (Eager calls add about 1.4 ms of host time that this does not count.)
     """
@@ -126,7 +132,7 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     J = -(-longest // L)
     L = -(-longest // J)                               # J segments of (nearly) equal length
     if force is None and (J < MIN_SEGMENTS
-                          or unsplit_step * longest - (1 + WARMUP_STEPS) * L < MIN_SAVED_CHUNKS):
+                          or unsplit_step * longest - (1 + warmup_steps) * L < min_saved):
         return 0
     return L
 
@@ -145,6 +151,8 @@ class Plan:
     slot_warm: torch.Tensor     # bool [J * N]: segment j >= 1 exists, so segment j - 1 has L full chunks
     first_chunk: torch.Tensor   # int32 [S + 1]: chunk_table row of each segment row's first chunk (the
                                 # sequence's first row + j L); the real chunk count past the real rows
+    slot_chunk: torch.Tensor | None = None  # int32 [J * N]: chunk_table row of the chunk at each
+                                # slot's start (``slot_chunks``); host_plan's plans only
 
 
 _last_plan: dict = {}
@@ -175,10 +183,50 @@ def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: in
     return value
 
 
-def _build_plan(cu_seqlens, batch, seqlen, L, device) -> Plan:
+HOST_PLAN_CACHE = 8    # plans of host-known lengths kept for eager calls (graph-held ones: always)
+_host_plans: dict = {}
+_graph_plans: list = []
+
+
+def host_plan(bounds: list[int], L: int, device: torch.device) -> Plan | None:
+    """The plan of sequences whose ``bounds`` (the values of cu_seqlens) the host knows, with L
+    chunks a segment: built on the host by ``_build_plan`` and copied to ``device`` once, then
+    kept for the same (bounds, L). Inside CUDA-graph capture a copy is not allowed: the kept plan
+    is handed to the graph, and from then on kept for the process's life (the graph reads it at
+    every replay), or None when there is none (the caller then builds one on the device, ``plan``)."""
+    key = (tuple(bounds), L, str(torch.device(device)))
+    value = _host_plans.get(key)
+    if capturing(device):
+        if value is not None and all(value is not v for v in _graph_plans):
+            _graph_plans.append(value)
+        return value
+    if value is None:
+        cu = torch.tensor(bounds, dtype=torch.int64)
+        built = _build_plan(cu, 1, bounds[-1], L, "cpu",
+                            longest=max((e - b for b, e in zip(bounds, bounds[1:])), default=0))
+        built = dataclasses.replace(built, slot_chunk=slot_chunks(cu, 1, bounds[-1], L, built.max_segments, "cpu"))
+        value = Plan(**{f: (x.to(device) if torch.is_tensor(x) else x) for f, x in vars(built).items()})
+        _host_plans[key] = value
+        while len(_host_plans) > HOST_PLAN_CACHE:
+            del _host_plans[next(iter(_host_plans))]  # the oldest (a graph's stays in _graph_plans)
+    return value
+
+
+def slot_chunks(cu_seqlens, batch: int, seqlen: int, L: int, J: int, device) -> torch.Tensor:
+    """int32 [J * N]: the ``flashqla.varlen.chunk_table`` row of the chunk where slot j * N + n
+    starts, the sequence's first row + j L (a warm-up window's chunks are the rows before it)."""
+    seqs = seq_bounds(cu_seqlens, batch, seqlen, device).long()
+    seq_row0 = (-(-(seqs[1:] - seqs[:-1]) // CHUNK_SIZE)).cumsum(0) - (-(-(seqs[1:] - seqs[:-1]) // CHUNK_SIZE))
+    return (seq_row0[None, :] + L * torch.arange(J, device=seqs.device)[:, None]).reshape(-1).to(torch.int32)
+
+
+def _build_plan(cu_seqlens, batch, seqlen, L, device, longest: int | None = None) -> Plan:
+    """``plan``'s tables; ``longest``: the longest sequence where the caller knows it (J from it),
+    else seqlen (a batch) or all the tokens (varlen, a bound)."""
     seqs = seq_bounds(cu_seqlens, batch, seqlen, device).long()     # [N + 1]
     N, T, span = seqs.shape[0] - 1, batch * seqlen, CHUNK_SIZE * L
-    longest = seqlen if cu_seqlens is None else T
+    if longest is None:
+        longest = seqlen if cu_seqlens is None else T
     J = max(1, -(-longest // span))
     # rows: sum over sequences of max(1, ceil(len / span)) <= floor(T / span) + N
     rows = N * J if cu_seqlens is None else T // span + N

@@ -364,15 +364,16 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
     assert n_warm > 0
 
 
-# ---- gdn_fwd.s06, s08, s11, s13, s15 and s17 on the GPU ------------------------------------------
+# ---- gdn_fwd.s06, s08, s11, s13, s15, s17 and s18 on the GPU ------------------------------------
 
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17], ids=["s06", "s08", "s11", "s13", "s15", "s17"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18],
+                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
-    on s12's and s16's), with its kernels (and those of the chain it runs) compiled on threads
+    on s12's and s16's, s18 s17's with its own phase 1), with its kernels (and those of the chain it runs) compiled on threads
     first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
@@ -483,9 +484,9 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-@pytest.mark.parametrize("number", [8, 11, 13, 15, 17], ids=["s08", "s11", "s13", "s15", "s17"])
+@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18], ids=["s08", "s11", "s13", "s15", "s17", "s18"])
 def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
-    """Phase 3 of gdn_fwd.s08, s11, s13, s15 and s17 reads ``gated`` at each segment's rows of the whole
+    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17 and s18 reads ``gated`` at each segment's rows of the whole
     sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
     as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
     of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
@@ -506,3 +507,65 @@ def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
         for h, (a, b) in enumerate(zip(e_on, e_off)):
             assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
     check_op("gdn_fwd", lambda **kw: mod.forward(**kw, cp=L), x)
+
+
+def break_the_bound(x):
+    """Problem inputs where, on value head 1, one token in every 700 has g = +0.5, and on value head
+    2 one token in every 900 has beta = -0.5: autocp.bound_violations counts both."""
+    g, beta = x["g"].clone(), x["beta"].clone()
+    g[:, ::700, 1] = 0.5
+    beta[:, 350::900, 2] = -0.5
+    return {**x, "g": g, "beta": beta}
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
+@pytest.mark.parametrize("problem,L", GPU_CASES + [(Problem(2, 8, (9000,)), 100)],
+                         ids=lambda c: getattr(c, "label", str(c)))
+@pytest.mark.parametrize("threshold", [-10.0, -3.0])
+def test_s18_windows_are_autocp_warmups(problem, L, inputs, threshold):
+    """gdn_fwd.s18's windows kernel gives every (slot, value head) the window start and exact flag
+    that ``autocp.warmup`` gives from ``autocp.bound_violations``: with g = 0 heads (exact: no
+    window reaches the threshold), chunks flagged by the solve (beta ||k||^2 > 2), tokens with
+    g > 0 or beta < 0, and a segment longer than the longest window (L = 100 > 64)."""
+    from flashqla.stages import load
+
+    mod = load("gdn_fwd", 18)
+    x = problem.inputs("cuda", seed=4)
+    x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
+    B, T, HV = x["g"].shape
+    cu = x["cu_seqlens"]
+    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
+    g_cum = load("chunk_local_cumsum", 1).run(g, cu, C).contiguous()
+    _, gated = load(*mod.SOLVE).solve(x["k"], beta, g_cum, cu)
+    p = mod.split_plan(cu, B, T, HV, 132, x["q"].device, L, 1.0)
+    got = mod.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated, threshold)
+    want = autocp.warmup(p, g_cum.view(B * T, HV), autocp.bound_violations(x["k"], g, beta), threshold)
+    assert torch.equal(got[1], want[1]), "exact flags differ"
+    assert torch.equal(got[0], want[0]), "window starts differ"
+    assert want[1][p.slot_warm].any() and not want[1][p.slot_warm].all()  # both paths taken
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_s18_captures_without_an_eager_call():
+    """Captured with a ``cu_seqlens`` the host has never read, gdn_fwd.s18 plans on the device (no
+    host plan, no lengths): the replay is as close to float64 as the eager split, head by head."""
+    from flashqla.stages import load
+
+    mod = load("gdn_fwd", 18)
+    x = Problem(2, 8, (16000, 3000, 192)).inputs("cuda", seed=6)
+    eager = mod.run(**x)
+    fresh = {**x, "cu_seqlens": x["cu_seqlens"].clone()}               # not read by the host yet
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mod.run(**fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.chunk_gated_delta_rule_ref(**cast_floats(x, F64))
+    for got_cap, got_eager, w, axis in ((captured[0], eager[0], want[0], 2), (captured[1], eager[1], want[1], 1)):
+        e_cap, e_eager = head_errors(got_cap, w, axis), head_errors(got_eager, w, axis)
+        for h, (a, b) in enumerate(zip(e_cap, e_eager)):
+            assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
