@@ -68,8 +68,7 @@ CHUNK_SIZE = 64
 
 def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_heads: int,
                    num_sms: int, ctas_per_head: int, force: bool | int | None = None,
-                   unsplit_step: float = 1.0, warmup_steps: float = WARMUP_STEPS,
-                   min_saved: float = MIN_SAVED_CHUNKS) -> int:
+                   unsplit_step: float = 1.0) -> int:
     """The decision rule: chunks per segment L, or 0 for no split. Host integers only.
 
     Without CP the chain kernel runs lanes = num_heads x ctas_per_head CTAs per sequence, each as
@@ -110,10 +109,6 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     (16, 16) 1 x 32768 would be split as at BV 64, where the unsplit BV 32 launch is faster (s12
     1.08 and 1.10 ms against s11's split 1.28 and 1.43; 4 x H200, 4e37c66).
 
-    ``warmup_steps``, ``min_saved``: phase 1's cost per chunk and the fixed cost, for a pipeline
-    whose split costs less than s08's (gdn_fwd.s18: phase 1 from the solve's Ab, the plan built on
-    the host).
-
     ``force``: False never splits, True splits with this L even when J = 1, an int is L itself.
     (Eager calls add about 1.4 ms of host time that this does not count.)
     """
@@ -132,7 +127,7 @@ def segment_chunks(num_tokens: int, num_seqs: int, max_seq_tokens: int, num_head
     J = -(-longest // L)
     L = -(-longest // J)                               # J segments of (nearly) equal length
     if force is None and (J < MIN_SEGMENTS
-                          or unsplit_step * longest - (1 + warmup_steps) * L < min_saved):
+                          or unsplit_step * longest - (1 + WARMUP_STEPS) * L < MIN_SAVED_CHUNKS):
         return 0
     return L
 
@@ -216,7 +211,8 @@ def slot_chunks(cu_seqlens, batch: int, seqlen: int, L: int, J: int, device) -> 
     """int32 [J * N]: the ``flashqla.varlen.chunk_table`` row of the chunk where slot j * N + n
     starts, the sequence's first row + j L (a warm-up window's chunks are the rows before it)."""
     seqs = seq_bounds(cu_seqlens, batch, seqlen, device).long()
-    seq_row0 = (-(-(seqs[1:] - seqs[:-1]) // CHUNK_SIZE)).cumsum(0) - (-(-(seqs[1:] - seqs[:-1]) // CHUNK_SIZE))
+    rows = (seqs[1:] - seqs[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE     # chunk rows of each sequence
+    seq_row0 = rows.cumsum(0) - rows
     return (seq_row0[None, :] + L * torch.arange(J, device=seqs.device)[:, None]).reshape(-1).to(torch.int32)
 
 

@@ -3,14 +3,13 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s17's,
-with gate_free_solve.s05's blocked solve (s02's, which s17 runs, at four CTAs an SM: the same
-bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule):
-s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value columns a
-CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA) at 64
-and 128; with AutoCP (s06's plan and warm-up, as in s08; a split
-must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each stage's docstring and
-``profiles/results/gdn_fwd.csv``, ``profiles/results/autocp.csv``; H200 unless said):
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s18's:
+gate_free_solve.s05's blocked solve (s02's at four CTAs an SM: the same bits), and a fused kernel
+whose width comes from the sequence lengths (``block_v``, s15's rule): s12's (s07's reformulated,
+warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA, s16's (the chain split
+over a state and a value warpgroup, s14, with O stored by TMA) at 64 and 128; with AutoCP (s18's:
+the plan from the host, the windows and the warm-up from Ab). Its kernels (measurements from each
+stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
     gate_free_solve.s05      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
@@ -22,28 +21,23 @@ must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each 
                                                                   head) where beta ||k||^2 > 2
                                                                   solves the gated matrix instead
                                                                   and is flagged ``gated``
-    chunk_fwd_intra.s01      k, v, g_cum, beta       -> w, u      AutoCP's split path only (the
-                                                                  warm-up kernel runs s03's chain
-                                                                  math): K K^T, (I + A)^-1 and the
-                                                                  WY products in one kernel
-    gdn_fwd.s06 (warm-up)    k, w, u, g_cum, windows -> Z, M      AutoCP: long sequences with few
+    gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
-                                                                  chains run in parallel; this
-                                                                  kernel gives the segments' initial
-                                                                  states. 2.4-2.9x s03 on (2, 8)
-                                                                  from 32768 tokens under a CUDA
-                                                                  graph (measured with s03's kernel
-                                                                  as the chain); with s07's (s08)
-                                                                  1.04x on (16, 16) 1 x 32768, 0.81x
-                                                                  on (16, 16) 1 x 8192, which the
-                                                                  rule no longer splits; with s10's
-                                                                  (s11, commit a76066e) 1.08-1.66x
-                                                                  on (2, 8) and (4, 16) from 32768
-                                                                  tokens, 0.97x on (16, 16)
-                                                                  1 x 32768; with s12's (s13,
-                                                                  commit 7ccb1ae) only (2, 8) from
-                                                                  32768 tokens splits, 1.05-1.26x
-                                                                  the narrow launch alone
+                                                                  chains run in parallel. Per
+                                                                  (segment, value head): the warm-up
+                                                                  window (chunks back until the log
+                                                                  decay reaches -10) or exact (g = 0
+                                                                  heads, the bound's conditions
+                                                                  broken in the previous segment)
+    gdn_fwd.s18 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
+                                                                  zero (Z), and for exact heads the
+                                                                  previous segment's transition (M,
+                                                                  the chain from I with v = 0); the
+                                                                  fused kernels' math, from the
+                                                                  solve's Ab. With the plan from the
+                                                                  host, s18 is 1.07-1.56x s17 where
+                                                                  it splits (4 x H100, c585a80,
+                                                                  autocp_split.csv)
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
@@ -69,15 +63,16 @@ must beat the narrow launch, ``STEP[32]``). Its kernels (measurements from each 
                                                        kernel_width.csv)
 
 ``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
-the decision from host integers, the segment table on the device), with no host synchronization
-beyond the one read of ``cu_seqlens`` per tensor that the API's validation makes
-(``flashqla.varlen.host_bounds``), which also gives the kernel width.
-Without a split the fused kernel walks whole sequences. With one, chunk_fwd_intra gives w, u, the
-warm-up kernel runs the chain over each segment's warm-up window (Z; and M, the previous
-segment's transition, for heads whose window is the whole previous segment), a batched matmul per
-segment chains h_j = Z_j + M_j h_{j-1}, and the fused kernel walks all segments at once, each from
-its h_j, reading ``gated`` at its first chunk's row of the whole sequences' chunk table
-(``Plan.first_chunk``). Each kernel launch is in an NVTX range ``fwd.<kernel>``.
+the decision from the lengths, ``segment_chunks``; the segment table built on the host and kept,
+``autocp.host_plan``), with no host synchronization beyond the one read of ``cu_seqlens`` per
+tensor that the API's validation makes (``flashqla.varlen.host_bounds``), which also gives the
+kernel width. Inside a CUDA-graph capture with no eager call before it, the plan is built on the
+device. Without a split the fused kernel walks whole sequences. With one, the windows kernel
+decides each (segment, head)'s window, the warm-up kernel runs the chain over it (Z; and M for
+exact heads), a batched matmul per segment chains h_j = Z_j + M_j h_{j-1}, and the fused kernel
+walks all segments at once, each from its h_j, reading ``gated`` at its first chunk's row of the
+whole sequences' chunk table (``Plan.first_chunk``). Each kernel launch is in an NVTX range
+``fwd.<kernel>``.
 """
 
 import functools
@@ -91,13 +86,19 @@ from flashqla.varlen import chunk_table, host_bounds, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
-THREADS = 128         # one warpgroup (gate_free_solve, chunk_fwd_intra; the warm-up kernel, TileLang
-                      # adds a producer)
+THREADS = 128         # one warpgroup (gate_free_solve; the warm-up kernel, TileLang adds a producer)
 GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
 BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel, where
                       # the CTAs fill the SMs
 NARROW_BLOCK_V = 32   # ... and where BLOCK_V would leave SMs idle (``block_v``): twice the CTAs
 BLOCK = 64            # state columns per CTA of the warm-up kernel
+WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
+UNROLL = 4            # ... four at once
+MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
+PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s18's): segments
+SEGMENT_CHUNK_STEPS = 4.4              # fill two CTAs an SM; the split costs these chunk steps at
+SEGMENT_STEPS = 3.6                    # BV 64 per chunk of a segment, per segment and once
+FIXED_STEPS = 33
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks, one block column per warp
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 LOG2E = 1.4426950408889634
@@ -310,134 +311,107 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     return gate_free_solve_blocked
 
 
-# ---- promoted from kernels/chunk_fwd_intra/s01_fused.py
-def chunk_fwd_intra_kernel(H: int, HV: int):
-    """The T.prim_func for H key heads, HV value heads, K = V = 128; any token or chunk count."""
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows and phase 1)
+def windows_kernel(HV: int):
+    """The T.prim_func that gives each (slot, value head) its window start and exact flag: what
+    ``autocp.warmup`` gives from ``autocp.bound_violations`` (module docstring: the differences)."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
-    from tilelang.layout import make_swizzled_layout
 
-    BT, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
-    group = HV // H  # value head i_hv reads key head i_hv // group
+    C, W = CHUNK_SIZE, MAX_WINDOW
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
+    num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def chunk_fwd_intra_fwd(
-        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
-        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+    def autocp_windows(
+        g: T.Tensor((num_tokens, HV), "float32"),              # per-token log decay
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
         beta: T.Tensor((num_tokens, HV), "float32"),
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
-        w: T.Tensor((num_tokens, HV, K), "bfloat16"),
-        u: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        gated: T.Tensor((num_chunks, HV), "int32"),            # the solve's: some beta ||k||^2 > 2
+        slot_start: T.Tensor((num_slots,), "int32"),           # the segment's first token
+        slot_warm: T.Tensor((num_slots,), "int32"),            # 1: the previous segment has L full chunks
+        slot_chunk: T.Tensor((num_slots,), "int32"),           # chunk row at the segment's start
+        seg_chunks: T.int32,                                   # L
+        threshold: T.float64,
+        win_start: T.Tensor((num_slots, HV), "int32"),
+        exact: T.Tensor((num_slots, HV), "int32"),
     ):
-        with T.Kernel(num_chunks, HV, threads=THREADS) as (i_c, i_hv):
-            t = T.get_thread_binding()
-            c = 16 * (t // 32) + t % 16                        # warp w solves columns 16w..16w+15
-            h = (t // 16) % 2                                  # which half of each row sum
-            i_h = i_hv // group
-            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
-            n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
+        with T.Kernel(num_slots, HV, threads=WINDOW_THREADS) as (i_s, i_hv):
+            tx = T.get_thread_binding()
+            s = slot_start[i_s]
+            warm = slot_warm[i_s]
+            span = seg_chunks * C                               # tokens of the previous segment
+            w_max = T.min(seg_chunks, W)
+            dec_s = T.alloc_shared((2, W), "float64")          # [0]: chunk decays, [1]: their sums
+            flags_s = T.alloc_shared((2,), "int32")             # [0]: the bound fails; [1]: short
+            cum = T.alloc_local((1,), "float64")
 
-            k_shared = T.alloc_shared((BT, K), "bfloat16")
-            v_shared = T.alloc_shared((BT, V), "bfloat16")
-            g_shared = T.alloc_shared((BT,), "float32")
-            beta_shared = T.alloc_shared((BT,), "float32")
-            A_shared = T.alloc_shared((BT, BT), "float32")
-            Aik_shared = T.alloc_shared((BT, BT), "bfloat16")  # Ai diag(beta exp(g_cum))
-            Aiv_shared = T.alloc_shared((BT, BT), "bfloat16")  # Ai diag(beta)
-            out_shared = T.alloc_shared((BT, K), "bfloat16")
-            A_fragment = T.alloc_fragment((BT, BT), "float32")
-            acc_fragment = T.alloc_fragment((BT, K), "float32")
-            y = T.alloc_local((BT // 2,), "float32")          # this half's x_j of column c
-            acc = T.alloc_local((4,), "float32")               # four partial sums of a row
-            part = T.alloc_local((1,), "float32")
-            # swizzled: the accumulator's 8-row stmatrix stores would otherwise hit one bank 8 times
-            T.annotate_layout({out_shared: make_swizzled_layout(out_shared)})
+            if tx < 2:
+                flags_s[tx] = 0
+            # dec_i <- log decay of the i-th chunk back from the segment start (a full chunk)
+            if tx < W:
+                dec_s[0, tx] = T.if_then_else((warm != 0) & (tx < w_max),
+                                           T.Cast("float64", g_cum[T.max(s - C * tx - 1, 0), i_hv]), 0.0)
+            T.sync_threads()
+            # bad <- a token of the previous segment with g > 0 or beta < 0 (or NaN: both
+            # comparisons fail on it), or a chunk there flagged gated (beta ||k||^2 > 2)
+            if warm != 0:
+                for it in T.serial(T.ceildiv(span, WINDOW_THREADS * UNROLL)):
+                    for r in T.unroll(UNROLL):
+                        t = s - span + (it * UNROLL + r) * WINDOW_THREADS + tx
+                        if t < s:
+                            if T.Not((g[t, i_hv] <= 0) & (beta[t, i_hv] >= 0)):
+                                flags_s[0] = 1
+                for it in T.serial(T.ceildiv(seg_chunks, WINDOW_THREADS)):
+                    c = it * WINDOW_THREADS + tx
+                    if c < seg_chunks:
+                        if gated[slot_chunk[i_s] - seg_chunks + c, i_hv] != 0:
+                            flags_s[0] = 1
+            # cum_i <- the log decay of the last i + 1 chunks, in float64 as autocp.warmup sums it
+            if tx < W:
+                cum[0] = 0.0
+                for m in T.serial(W):
+                    if m <= tx:
+                        cum[0] = cum[0] + dec_s[0, m]
+                dec_s[1, tx] = cum[0]
+            T.sync_threads()
+            # short <- the chunks whose cumulative decay stays above the threshold (a prefix when
+            # g <= 0; when it is not, the bound fails and the head runs exactly anyway)
+            if tx < w_max:
+                if (dec_s[1, tx] > threshold) & ((tx + 1 == w_max) | (dec_s[1, T.min(tx + 1, W - 1)] <= threshold)):
+                    flags_s[1] = tx + 1
+            T.sync_threads()
+            if tx == 0:
+                ex = (warm != 0) & ((flags_s[1] == w_max) | (flags_s[0] != 0))
+                chunks = T.if_then_else(warm != 0, T.if_then_else(ex, seg_chunks, flags_s[1] + 1), 0)
+                win_start[i_s, i_hv] = s - C * chunks
+                exact[i_s, i_hv] = T.if_then_else(ex, 1, 0)
 
-            # K <- k[bos : bos + n], V <- v[bos : bos + n]; zeros below row n
-            for i, d in T.Parallel(BT, K):
-                k_shared[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
-            for i, d in T.Parallel(BT, V):
-                v_shared[i, d] = T.if_then_else(i < n, v[bos + i, i_hv, d], 0)
-            # g <- log2(e) g_cum (so that exp(x) = exp2(log2(e) x)), beta <- beta; zeros below row n
-            for i in T.Parallel(BT):
-                g_shared[i] = T.if_then_else(i < n, g_cum[bos + i, i_hv] * LOG2E, 0)
-                beta_shared[i] = T.if_then_else(i < n, beta[bos + i, i_hv], 0)
-
-            # A <- K K^T   (64 x 64 x K, bf16 in, fp32 accumulate: wgmma)
-            T.gemm(k_shared, k_shared, A_fragment, transpose_B=True, clear_accum=True)
-
-            # A <- StrictLower(diag(beta) A * Gamma) into shared fp32, rows of the chunk only (the
-            # exponent is taken only where j < i < n, where g_cum_i - g_cum_j <= 0: no overflow);
-            # rows >= n are zero, identity rows of I + A that never feed rows < n
-            for i, j in T.Parallel(BT, BT):
-                A_shared[i, j] = T.if_then_else(
-                    (j < i) & (i < n),
-                    beta_shared[i] * A_fragment[i, j] * T.exp2(g_shared[i] - g_shared[j]), 0)
-
-            # x <- (I + A)^-1 e_c: x_i = [i == c] - sum_{j < i} A_ij x_j, rows from the warp's
-            # first column on (x_j = 0 above it). Two lanes (l, l ^ 16) share column c: half h keeps
-            # the x_j of the j-blocks of 4 with (j / 4) mod 2 = h (y[s] = x_j, j = 8 (s / 4) + 4 h +
-            # s mod 4), sums its half of each row in four chains (one broadcast LDS.128 a block),
-            # and one shuffle adds the other half; x_j not yet found are 0, so whole blocks are summed
-            for s in T.unroll(BT // 2):
-                y[s] = 0.0
-            for warp, first in enumerate((0, 16, 32, 48)):
-                if t // 32 == warp:
-                    for i in T.unroll(first, BT):
-                        for q in T.unroll(4):
-                            acc[q] = 0.0
-                        for b in T.unroll(first // 8, BT // 8):
-                            if 8 * b < i:
-                                for q in T.unroll(4):
-                                    acc[q] = acc[q] + A_shared[i, 8 * b + 4 * h + q] * y[4 * b + q]
-                        part[0] = (acc[0] + acc[1]) + (acc[2] + acc[3])
-                        part[0] = T.if_then_else(i == c, 1.0, 0.0) - (part[0] + T.shfl_xor(part[0], 16))
-                        y[4 * (i // 8) + i % 4] = T.if_then_else(h == (i // 4) % 2, part[0],
-                                                                 y[4 * (i // 8) + i % 4])
-            # Aik[:, c] <- x beta_c exp(g_cum_c), Aiv[:, c] <- x beta_c (bf16), each half its rows
-            for s in T.unroll(BT // 2):
-                Aik_shared[8 * (s // 4) + 4 * h + s % 4, c] = y[s] * (beta_shared[c] * T.exp2(g_shared[c]))
-                Aiv_shared[8 * (s // 4) + 4 * h + s % 4, c] = y[s] * beta_shared[c]
-            # the generic-proxy stores above must be visible to the wgmma (async proxy) reads below
-            T.fence_proxy_async()
-
-            # w <- (Ai diag(beta exp(g_cum))) K   (64 x 128 x 64, wgmma)
-            T.gemm(Aik_shared, k_shared, acc_fragment, clear_accum=True)
-            T.copy(acc_fragment, out_shared)
-            for i, d in T.Parallel(BT, K):
-                if i < n:
-                    w[bos + i, i_hv, d] = out_shared[i, d]
-
-            # u <- (Ai diag(beta)) V   (64 x 128 x 64, wgmma)
-            T.gemm(Aiv_shared, v_shared, acc_fragment, clear_accum=True)
-            T.copy(acc_fragment, out_shared)
-            for i, d in T.Parallel(BT, V):
-                if i < n:
-                    u[bos + i, i_hv, d] = out_shared[i, d]
-
-    return chunk_fwd_intra_fwd
+    return autocp_windows
 
 
-# ---- promoted from kernels/gdn_fwd/s06_autocp.py (AutoCP's phase 1)
 def warmup_kernel(H: int, HV: int):
-    """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count."""
+    """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
+    Grid: (V + K) / BLOCK column tiles per (slot, value head), V / BLOCK of Z, K / BLOCK of M; an M
+    tile of a warm-up head, and every tile of a slot without a window, only writes its zeros."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     C, K, V, BV = CHUNK_SIZE, HEAD_DIM, HEAD_DIM, BLOCK
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
     num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def gdn_autocp_warmup(
+    def gdn_autocp_warmup_ab(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
-        w: T.Tensor((num_tokens, HV, K), "bfloat16"),
-        u: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
         win_start: T.Tensor((num_slots, HV), "int32"),         # first token of the window
-        win_end: T.Tensor((num_slots,), "int32"),              # the segment's first token
+        slot_start: T.Tensor((num_slots,), "int32"),           # its end: the segment's first token
+        slot_chunk: T.Tensor((num_slots,), "int32"),           # chunk row at the segment's start
         exact: T.Tensor((num_slots, HV), "int32"),             # 1: M of the window too
         z: T.Tensor((num_slots, HV, K, V), "float32"),
         m: T.Tensor((num_slots, HV, K, K), "float32"),
@@ -447,46 +421,57 @@ def warmup_kernel(H: int, HV: int):
             is_m = i_t >= V // BV                              # a tile of M (else of Z)
             take_m = is_m & (exact[i_s, i_hv] != 0)
             c0 = (i_t % (V // BV)) * BV                        # its columns (K = V)
-            bos = win_start[i_s, i_hv]
-            eos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), bos, win_end[i_s])
+            eos = slot_start[i_s]
+            bos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), eos, win_start[i_s, i_hv])
+            row0 = slot_chunk[i_s] - (eos - bos) // C          # chunk row of the window's first chunk
 
             k_s = T.alloc_shared((C, K), "bfloat16")
-            w_s = T.alloc_shared((C, K), "bfloat16")
-            u_s = T.alloc_shared((C, BV), "bfloat16")
+            v_s = T.alloc_shared((C, BV), "bfloat16")
+            ab_s = T.alloc_shared((C, C), "bfloat16")
             g_s = T.alloc_shared((C,), "float32")
             s_s = T.alloc_shared((K, BV), "bfloat16")          # S in bf16, the wgmma operand
+            w_s = T.alloc_shared((C, BV), "bfloat16")
+            wy_s = T.alloc_shared((C, C), "bfloat16")
             vd_s = T.alloc_shared((C, BV), "bfloat16")         # diag(exp(g_C - g)) V~
             s_f = T.alloc_fragment((K, BV), "float32")         # the state S, fp32, all along
+            x_f = T.alloc_fragment((C, BV), "float32")
             vn_f = T.alloc_fragment((C, BV), "float32")
-            g_last = T.alloc_local((1,), "float32")
+            keep = T.alloc_var("int32")
 
             # S <- columns c0.. of I for M tiles of exact heads, else 0
             for d, j in T.Parallel(K, BV):
                 s_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
 
-            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=2):
+            # the window's chunks are whole: it ends at a segment start and takes whole chunks
+            # of the previous segment, all of whose chunks are full
+            for c in T.Pipelined((eos - bos) // C, num_stages=2):
                 t0 = bos + c * C
-                n = T.min(eos - t0, C)                          # real rows of the chunk, 1..64
-                # K, W, U <- full 64-row tiles (TMA); K first, as in chunk_h.s01 (g's buffer)
+                keep = gated[row0 + c, i_hv]
+                # K, V, Ab <- the chunk's 64-row tiles (TMA)
                 T.copy(k[t0:t0 + C, i_h, :], k_s)
-                T.copy(w[t0:t0 + C, i_hv, :], w_s)
-                T.copy(u[t0:t0 + C, i_hv, c0:c0 + BV], u_s)
-                # g <- log2(e) g_cum, 0 past the end
+                T.copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s)
+                T.copy(ab[t0:t0 + C, i_hv, :], ab_s)
+                # g <- log2(e) g_cum
                 for i in T.Parallel(C):
-                    g_s[i] = T.if_then_else(i < n, g_cum[t0 + i, i_hv] * LOG2E, 0)
+                    g_s[i] = g_cum[t0 + i, i_hv] * LOG2E
+                # WY <- Gamma * Ab on j <= i (Ab as stored for a gated chunk), 0 above
+                for i, j in T.Parallel(C, C):
+                    wy_s[i, j] = T.if_then_else(
+                        j <= i, ab_s[i, j] * T.if_then_else(keep != 0, 1.0, T.exp2(T.min(g_s[i] - g_s[j], 0))), 0)
+                # U <- K S
                 T.copy(s_f, s_s)
-                # V~ <- U - W S (U read as 0 for M: v = 0)
-                T.gemm(w_s, s_s, vn_f, clear_accum=True)
-                # V_d <- diag(exp(g_C - g)) V~, rows >= n zero
-                g_last[0] = g_s[n - 1]
+                T.gemm(k_s, s_s, x_f, clear_accum=True)
+                # W <- V - diag(exp(g)) U (V read as 0 for M: v = 0)
                 for i, j in T.Parallel(C, BV):
-                    vd_s[i, j] = T.if_then_else(
-                        i < n,
-                        T.if_then_else(is_m, -vn_f[i, j], u_s[i, j] - vn_f[i, j])
-                        * T.exp2(g_last[0] - g_s[i]), 0)
+                    w_s[i, j] = T.if_then_else(is_m, 0.0, v_s[i, j]) - T.exp2(g_s[i]) * x_f[i, j]
+                # V~ <- WY W
+                T.gemm(wy_s, w_s, vn_f, clear_accum=True)
+                # V_d <- diag(exp(g_C - g)) V~
+                for i, j in T.Parallel(C, BV):
+                    vd_s[i, j] = vn_f[i, j] * T.exp2(g_s[C - 1] - g_s[i])
                 # S <- exp(g_C) S + K^T V_d
                 for d, j in T.Parallel(K, BV):
-                    s_f[d, j] = s_f[d, j] * T.exp2(g_last[0])
+                    s_f[d, j] = s_f[d, j] * T.exp2(g_s[C - 1])
                 T.gemm(k_s, vd_s, s_f, transpose_A=True)
 
             # Z or M tile <- S
@@ -495,7 +480,7 @@ def warmup_kernel(H: int, HV: int):
             if i_t < V // BV:
                 T.copy(s_f, z[i_s, i_hv, :, c0:c0 + BV])
 
-    return gdn_autocp_warmup
+    return gdn_autocp_warmup_ab
 
 
 # ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
@@ -533,6 +518,54 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP's rule and plan)
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
+    counts (host integers). Phase 3 runs lanes = 2 HV CTAs a segment (BV 64); L is the shortest
+    length (at least ``autocp.MIN_SEGMENT_CHUNKS``) whose segments fit PHASE3_CTAS_PER_SM CTAs on
+    every SM, J the segments of the longest sequence. Automatic (``force`` None): split when the
+    split's cost, SEGMENT_CHUNK_STEPS L + SEGMENT_STEPS J + FIXED_STEPS, is below the unsplit
+    launch's, ``unsplit_step`` x the longest sequence (its width's step, ``WIDTHS.step``), in
+    chunk steps at BV 64. ``force``: False never splits, True splits at this L, an int is L."""
+    longest = max(seq_chunks, default=0)
+    if force is False or longest == 0:
+        return 0
+    if not isinstance(force, bool) and isinstance(force, int):
+        if force < 1:
+            raise ValueError(f"flashqla: `cp` as segment length must be >= 1 chunk; got {force}")
+        return force
+    lanes = 2 * HV
+    L = autocp.MIN_SEGMENT_CHUNKS
+    while L < longest and lanes * sum(-(-c // L) for c in seq_chunks) > PHASE3_CTAS_PER_SM * num_sms:
+        L += 1
+    J = -(-longest // L)
+    if force is None and (J < 2 or SEGMENT_CHUNK_STEPS * L + SEGMENT_STEPS * J + FIXED_STEPS
+                          >= unsplit_step * longest):
+        return 0
+    return L
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
+    """The AutoCP plan (``autocp.Plan`` with ``slot_chunk``) or None (``segment_chunks``), with
+    the lengths the host knows (``host_bounds``; inside a capture with no read before, one
+    sequence of all the tokens stands for them). The plan comes from the host (``autocp.host_plan``),
+    or is built on the device inside a capture that has no plan kept for these lengths."""
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                  else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
+    if not L or num_seqs == 0:
+        return None
+    p = None if bounds is None else autocp.host_plan(bounds, L, device)
+    if p is None:
+        p = autocp.plan(cu_seqlens, B, T, HV, num_sms, HEAD_DIM // 64, device, force=L)
+        p = autocp.dataclasses.replace(p, slot_chunk=autocp.slot_chunks(cu_seqlens, B, T, L, p.max_segments, device))
+    return p
+
+
+# ---- promoted from kernels/gdn_fwd/s12_narrow_value_blocks.py (s10's kernel at any BV)
 def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
     state per CTA (BLOCK_V or NARROW_BLOCK_V); any token or sequence count."""
@@ -1011,21 +1044,21 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
 
     sms = autocp.num_sms(device)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
-    # the plan cuts segments for 2 CTAs a head; a split must beat BV 32's shorter steps
-    p = autocp.plan(cu_seqlens, B, T, HV, sms, V // BLOCK_V, device, force=cp,
-                    unsplit_step=STEP[NARROW_BLOCK_V] if BV == NARROW_BLOCK_V else 1.0)
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
-        # phase 1: w, u (the warm-up kernel's chain reads them), then Z (and M for exact heads) of
-        # every slot's warm-up window
-        w, u = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, V, **bf16)
-        with nvtx_range("fwd.chunk_fwd_intra"):
-            _compiled(chunk_fwd_intra_kernel, H, HV)(k, v, g_cum, beta, chunks, w, u)
-        win_start, exact, _ = autocp.warmup(p, g_cum, autocp.bound_violations(
-            k.view(B, T, H, K), g.view(B, T, HV), beta.view(B, T, HV)))
+        # windows: per (slot, value head) its first token and whether it runs exactly
+        win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
+        exact = torch.empty_like(win_start)
+        with nvtx_range("fwd.autocp_windows"):
+            _compiled(windows_kernel, HV)(g, g_cum, beta, gated, p.slot_start, p.slot_warm.to(torch.int32),
+                                          p.slot_chunk, p.segment_chunks, float(autocp.THRESHOLD),
+                                          win_start, exact)
+        # phase 1: Z (and M for exact heads) of every slot's window, from k, v, Ab
         z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
         with nvtx_range("fwd.autocp_warmup"):
-            _compiled(warmup_kernel, H, HV)(k, w, u, g_cum, win_start, p.slot_start, exact, z, m)
+            _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
+                                            p.slot_chunk, exact, z, m)
         # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row
         h0 = autocp.segment_initial_states(p, h0, z, m)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows

@@ -90,6 +90,30 @@ def test_decision_rule_splits_where_the_measured_splits_won():
         assert splits == (speedup > 1), (what, args, f"{speedup:.2f}x", "split" if splits else "no split")
 
 
+def s18_sweep() -> dict:
+    """profiles/results/autocp_split.csv: problem label -> {L: ms} of gdn_fwd.s18 (L 0: unsplit)."""
+    sweep = {}
+    for r in bench.read_csv(bench.RESULTS / "autocp_split.csv"):
+        if r["impl"] == "gdn_fwd.s18" and r["ms"]:
+            sweep.setdefault(r["problem"], {})[int(r["L"])] = float(r["ms"])
+    return sweep
+
+
+@pytest.mark.parametrize("label", list(s18_sweep()))
+def test_s18_rule_picks_a_fastest_measured_split(label):
+    """gdn_fwd.s18's rule, on every problem of its sweep (``profiles/split_lab.py``), picks the
+    fastest measured choice (split or not, and L), or one within 2 % of it (the sweep's noise)."""
+    from flashqla.stages import load
+
+    mod = load("gdn_fwd", 18)
+    _, HV, lengths = bench.heads_and_lengths(label)
+    seq_chunks = [-(-n // C) for n in lengths]
+    BV = mod.PIPELINE.block_v(seq_chunks, HV, 128, 132, mod.WIDTHS.step)
+    L = mod.segment_chunks(seq_chunks, HV, 132, mod.WIDTHS.step[BV])
+    timed = s18_sweep()[label]
+    assert len(timed) > 1 and L in timed and timed[L] <= 1.02 * min(timed.values()), (L, timed)
+
+
 @pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 32])
 @pytest.mark.parametrize("seqs", [1, 2, 3])
 def test_auto_split_fills_at_most_one_wave(heads, seqs):
@@ -569,3 +593,16 @@ def test_s18_captures_without_an_eager_call():
         e_cap, e_eager = head_errors(got_cap, w, axis), head_errors(got_eager, w, axis)
         for h, (a, b) in enumerate(zip(e_cap, e_eager)):
             assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
+
+
+@pytest.mark.parametrize("constant, value", [("PHASE3_CTAS_PER_SM", 1), ("FIXED_STEPS", 0)])
+def test_s18_rule_check_catches_a_wrong_rule(constant, value, monkeypatch):
+    """The check above fails for a rule that fills one CTA an SM (L = 64 on (2, 8) 1 x 32768: 0.78
+    ms against 0.56 at L = 32) or forgets the fixed cost (splits 1 x 8192, which lost)."""
+    from flashqla.stages import load
+
+    mod = load("gdn_fwd", 18)
+    monkeypatch.setattr(mod, constant, value)
+    with pytest.raises(AssertionError):
+        for label in s18_sweep():
+            test_s18_rule_picks_a_fastest_measured_split(label)

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s17) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s18) gives."""
 
 import sys
 
@@ -16,8 +16,8 @@ from flashqla.testing import Problem, check_op
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 5), "gate_free_solve_kernel", (16, 32, 2)),
-    (fwd.chunk_fwd_intra_kernel, ("chunk_fwd_intra", 1), "chunk_fwd_intra_kernel", (16, 32)),
-    (fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
+    (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
+    (fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
@@ -31,8 +31,10 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
 ]
 # how a stage compiles a kernel, where it is not ``_compiled(*shape)``: gdn_bwd.s02 has one function
-# per kernel, each taking (H, HV) (the walk's BV is the stage's)
-STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish"}
+# per kernel, each taking (H, HV) (the walk's BV is the stage's); gdn_fwd.s18's windows kernel
+# takes (HV,)
+STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish",
+                 "windows_kernel": "_windows"}
 IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, shape in PROMOTED]
 
 
@@ -55,7 +57,7 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
     sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
     module = load(*stage)
     if stage_builder in STAGE_COMPILE:
-        getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])
+        getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])  # (H, HV) or (HV,)
     else:
         module._compiled.__wrapped__(*shape)
     (library_program, library), (staged_program, staged) = calls
@@ -76,9 +78,20 @@ def test_block_v_is_the_stage_rule():
             fwd.block_v([64] * 8, 64, 128, 132)} == {32, 64, 128}
 
 
+def test_segment_chunks_is_the_stage_rule():
+    """AutoCP's split per launch is gdn_fwd.s18's rule, forced or decided."""
+    s18 = load("gdn_fwd", 18)
+    cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
+             ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
+    for chunks, hv, sms, step in cases:
+        for force in (None, False, True, 5):
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s18.segment_chunks(chunks, hv, sms, step, force)
+    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 32, 64}
+
+
 def test_a_changed_kernel_is_caught():
     """The check above can fail: two different kernels print different programs."""
-    assert fwd.chunk_fwd_intra_kernel(16, 32).script() != fwd.chunk_fwd_intra_kernel(16, 64).script()
+    assert fwd.warmup_kernel(16, 32).script() != fwd.warmup_kernel(16, 64).script()
 
 
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
@@ -86,7 +99,7 @@ def test_a_changed_kernel_is_caught():
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 5), "gate_free_solve_kernel", (16, 32, 2)),
-    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 6), "warmup_kernel", (16, 32)),
+    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
@@ -121,12 +134,12 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
     (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
 ], ids=["auto", "varlen-L4", "no-h0-L2"])
 def test_forward_with_autocp_within_the_bound(problem, cp):
-    """The library's forward split by AutoCP (the warm-up kernel, the chaining, the fused kernel
-    over segments) passes the gdn_fwd check against float64."""
+    """The library's forward split by AutoCP (the windows and warm-up kernels, the chaining, the
+    fused kernel over segments) passes the gdn_fwd check against float64."""
     x = problem.inputs("cuda", seed=1)
     B, T = x["q"].shape[:2]
-    assert autocp.plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"),
-                       128 // fwd.BLOCK_V, "cuda", force=cp, unsplit_step=fwd.STEP[32]) is not None
+    assert fwd.split_plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), "cuda", cp,
+                          fwd.STEP[32]) is not None
     check_op("gdn_fwd", lambda **kw: fwd.forward(**kw, cp=cp), x)
 
 
@@ -140,9 +153,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s17's kernels in s17's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s18's kernels in s18's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 17).forward(**x, cp=cp)
+    want = load("gdn_fwd", 18).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -32,6 +32,32 @@ beta_t < 0). The only difference: a NaN in k is not seen here (s17 saw it throug
 makes that token's own outputs NaN whatever the split. A token with k = 0 and beta < 0 counts here
 and did not there: such a head runs exactly, which is never wrong.
 
+The rule (``segment_chunks``) is new too. s17's filled one CTA an SM; here the segments fill two
+(PHASE3_CTAS_PER_SM), because the fused kernel at BV 64 runs two CTAs an SM at once, and a split
+must cost less than the unsplit launch in the rule's model, fitted to the sweep below: per chunk
+of a segment 4.4 chunk steps at BV 64 (phases 1 and 3), per segment 3.6 (phase 2's matmul), once
+33 (about 9.2, 7.5 and 70 us on an H100). The lengths come from ``host_bounds``, so the rule sees
+the real longest sequence; phase 2 chains J = that sequence's segments (s17's J counted all the
+tokens of a varlen batch).
+
+Measured effect (``profiles/split_lab.py`` -> ``profiles/results/autocp_split.csv``, 4 x H100, commit
+c585a80, CUDA-graph replay; its GPU tests passed there: CP on against CP off, the windows kernel
+against ``autocp.warmup`` bit for bit, capture with and without an eager call), ms:
+
+    problem              unsplit  s18 at the rule's L   s17     FlashQLA
+    (2, 8) 1x32768        0.999   0.555 (L 32)          0.844   0.401
+    (2, 8) 28672+4096     0.873   0.556 (L 32)          0.869   0.393
+    (4, 16) 1x32768       1.027   0.850 (L 64)          1.055   0.667
+    (4, 16) 28672+4096    0.940   0.857 (L 64)          0.961   0.696
+    (16, 16) 1x32768      1.089   0.933 (L 64)          1.109   0.693
+    (16, 16) 28672+4096   1.004   0.937 (L 64)          1.001   0.721
+    1 x 8192, 2048; (8, 24), (8, 32), (16, 32) x 32768: not split (every split measured lost)
+
+So 1.07-1.56x s17 where it splits, still 0.71-0.81x FlashQLA there. Where the rest goes (the
+prefix breakdown above, s17's, still applies to phases 2 and 3): phase 2 is J - 1 fp32 batched
+matmuls of ~8 us each (136 us at J = 16; FlashQLA chains in one 56 us kernel), and phase 3 at two
+CTAs an SM takes ~3.4 us a chunk step of each segment (111 us for 32 chunks on (2, 8)).
+
 Taught in: notebooks/05_autocp.py
 """
 
@@ -59,8 +85,10 @@ THREADS = 128                           # the warm-up's consumer warpgroup (Tile
 WINDOW_THREADS = 256                    # the windows kernel: a token of the previous segment a thread
 UNROLL = 4                              # ... four at once
 MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS   # chunks a window may take before the head runs exactly
-WARMUP_STEPS = 1.0                      # phase 1's cost per chunk of a segment, in fused chunk steps
-MIN_SAVED_CHUNKS = 40                   # the split's fixed cost, in fused chunk steps
+PHASE3_CTAS_PER_SM = 2                  # segments fill two of phase 3's CTAs an SM (``segment_chunks``)
+SEGMENT_CHUNK_STEPS = 4.4               # the split's cost per chunk of a segment (phases 1 and 3) ...
+SEGMENT_STEPS = 3.6                     # ... per segment (phase 2's matmul a boundary) ...
+FIXED_STEPS = 33                        # ... and once (windows, launches), in chunk steps at BV 64
 LOG2E = 1.4426950408889634
 DEFAULT_SHAPE = dict(H=16, HV=32)       # a Qwen3.5 GDN layer (35B, 9B, 4B at TP1)
 
@@ -253,16 +281,43 @@ def kernel_source() -> str:
             + PIPELINE.kernel_source(WIDTHS))
 
 
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
+    counts (host integers). Phase 3 runs lanes = 2 HV CTAs a segment (BV 64); L is the shortest
+    length (at least ``autocp.MIN_SEGMENT_CHUNKS``) whose segments fit PHASE3_CTAS_PER_SM CTAs on
+    every SM, J the segments of the longest sequence. Automatic (``force`` None): split when the
+    split's cost, SEGMENT_CHUNK_STEPS L + SEGMENT_STEPS J + FIXED_STEPS, is below the unsplit
+    launch's, ``unsplit_step`` x the longest sequence (its width's step, ``WIDTHS.step``), in
+    chunk steps at BV 64. ``force``: False never splits, True splits at this L, an int is L."""
+    longest = max(seq_chunks, default=0)
+    if force is False or longest == 0:
+        return 0
+    if not isinstance(force, bool) and isinstance(force, int):
+        if force < 1:
+            raise ValueError(f"gdn_fwd.s18: `cp` as segment length must be >= 1 chunk; got {force}")
+        return force
+    lanes = 2 * HV
+    L = autocp.MIN_SEGMENT_CHUNKS
+    while L < longest and lanes * sum(-(-c // L) for c in seq_chunks) > PHASE3_CTAS_PER_SM * num_sms:
+        L += 1
+    J = -(-longest // L)
+    if force is None and (J < 2 or SEGMENT_CHUNK_STEPS * L + SEGMENT_STEPS * J + FIXED_STEPS
+                          >= unsplit_step * longest):
+        return 0
+    return L
+
+
 def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
-    """The AutoCP plan (``autocp.Plan`` with ``slot_chunk``) or None: L from ``autocp.segment_chunks``
-    with this stage's costs and the real longest sequence where the host knows the lengths; the
-    plan from the host (``autocp.host_plan``), or built on the device inside a capture that has
-    no plan kept for these lengths."""
+    """The AutoCP plan (``autocp.Plan`` with ``slot_chunk``) or None (``segment_chunks``), with
+    the lengths the host knows (``host_bounds``; inside a capture with no read before, one
+    sequence of all the tokens stands for them). The plan comes from the host (``autocp.host_plan``),
+    or is built on the device inside a capture that has no plan kept for these lengths."""
     bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
     num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    longest = B * T if bounds is None else max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
-    L = autocp.segment_chunks(B * T, num_seqs, longest, HV, num_sms, HEAD_DIM // 64, cp, unsplit_step,
-                              WARMUP_STEPS, MIN_SAVED_CHUNKS)
+    seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                  else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
     if not L or num_seqs == 0:
         return None
     p = None if bounds is None else autocp.host_plan(bounds, L, device)
@@ -299,7 +354,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ab, gated = stages.load(*SOLVE).solve(k, beta, g_cum, cu_seqlens)
     sms = autocp.num_sms(device)
     BV = PIPELINE.launch_width(cu_seqlens, B, T, HV, V, sms, WIDTHS.step)
-    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, WIDTHS.step[32] if BV == 32 else 1.0)
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, WIDTHS.step[BV])
     if p is None:
         o, ht = PIPELINE._fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, WIDTHS)
         return o, (ht if output_final_state else None)
