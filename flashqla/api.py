@@ -14,8 +14,9 @@ says why.
 
 AutoCP (``flashqla.autocp``): when few (sequence, head) chains would leave most SMs idle (e.g.
 (H, HV) = (2, 8) from about 4096 tokens), the forward cuts each sequence into segments whose
-chains run in parallel, each from an initial state computed first; the decision takes only the
-shapes and the SM count, the plan is built on the device. A segment's initial state is exact for
+chains run in parallel, each from an initial state computed first; the decision takes the
+sequence lengths (the one host read of ``cu_seqlens``), the head count and the SM count, and the
+plan is built on the host and kept for those lengths. A segment's initial state is exact for
 heads whose gates decay slowly (or where a token breaks the bound's conditions); for the others
 it is wrong by at most exp(-10) times the norm of the state where its warm-up window starts (the
 bound FlashQLA uses). The backward recomputes whole sequences, without AutoCP.
@@ -24,7 +25,9 @@ NaN and inf: inputs are not scanned (that would cost a pass over them and a host
 inf in q, k, v, g or beta at some token poisons, for the value heads that read it, the output of
 every token of that chunk (earlier tokens of the chunk included, as the chunk is one matrix
 product), of every later token of the sequence, and the final state; other sequences and other
-head groups are unaffected. g = -inf (a hard reset) yields NaN: pass a large finite negative value
+head groups are unaffected. Under AutoCP a warm-up head's later segments start from a state
+computed over the last few chunks only, so a NaN or inf in k or v before those chunks does not
+reach them (one in g or beta makes the head run exactly, so it does). g = -inf (a hard reset) yields NaN: pass a large finite negative value
 instead. A NaN or inf in ``initial_state`` poisons that sequence and head from its first token.
 """
 
