@@ -304,7 +304,8 @@ print(inspect.getsource(s06.forward))
 # with s10's kernel as the chain: s07's with the chain's per-chunk path made lean, the same
 # interface. `gdn_fwd.s13` runs s12's kernel, which picks its value columns per CTA by launch
 # (section 6). s15 and s17 keep s13's plan and choose the fused kernel's width from the sequence
-# lengths (chapter 4); the library's forward (`flashqla/fwd.py`) is s17's.
+# lengths (chapter 4). s18 (section 7) keeps s17's kernels and rebuilds everything before phase 3;
+# the library's forward (`flashqla/fwd.py`) is s18's.
 
 # %%
 print(load("gdn_fwd", 8).__doc__.strip().splitlines()[0])
@@ -400,7 +401,7 @@ assert agree and all(agree)
 # splits those. The rerun with (2, 8) and (4, 16) (commit 3198fc1) showed that (2, 8) 1 x 8192 lost
 # too (0.96x), where the model saves 80 steps, while (4, 16) and (16, 16) 1 x 32768 won (1.14x and
 # 1.05x) with 128: the fixed cost is now set between, `MIN_SAVED_CHUNKS` = 100, and the table
-# above (commit 188c42c, 4 x H100) is timed with that rule. With s10's chain, faster still, the
+# above (commit 24d18ce, 4 x H100) is timed with that rule. With s10's chain, faster still, the
 # split of (16, 16) 1 x 32768 no longer pays: s11 there took 1.524 ms against s10's 1.386 (with
 # a solve that is no faster at one value head per key head, `gate_free_solve.s02`'s docstring).
 #
@@ -431,8 +432,8 @@ for label in ("(2, 8) 1x32768", "(2, 8) 28672+4096", "(4, 16) 1x32768", "(16, 16
 
 # %% [markdown]
 # s13 takes the faster of the two on each, to within 4 % (its solve, `gate_free_solve.s02`, is s11's;
-# s12 runs s01's, which is why s13 is a little ahead of s12 where neither splits). FlashQLA still
-# runs these problems faster, up to 2.3x ((2, 8) 1 x 32768: 0.39 ms against the library's 0.87).
+# s12 runs s01's, which is why s13 is a little ahead of s12 where neither splits). FlashQLA ran
+# these problems faster, up to 2.3x ((2, 8) 1 x 32768: 0.39 ms against s17's 0.84 in this run).
 # On (16, 16) 1 x 32768 (`profiles/results/kernel_split.csv`) FlashQLA splits, and its fused kernel over the segments takes
 # 208 us after a 290 us warm-up (`prepare_h`) and a 31 us correction, where our unsplit narrow launch
 # takes 903 us: its split runs 128 value columns a CTA, one CTA a (segment, head), so at the same SM
@@ -440,3 +441,85 @@ for label in ("(2, 8) 1x32768", "(2, 8) 28672+4096", "(4, 16) 1x32768", "(16, 16
 # `gdn_fwd.s14` and `s16` (chapter 4), split the chain over a state and a value warpgroup; AutoCP
 # does not plan with them yet (its plan cuts segments for two CTAs a head, and s15 / s17 run phase
 # 3 at 128 columns only where the segment rows fill enough waves).
+
+#
+# ## 7. A lean split: `gdn_fwd.s18`
+#
+# Where did s17's split spend its time? Timing the forward cut after each piece (CUDA-graph replay
+# of cumulative prefixes, 4 x H100) on (2, 8) 1 x 32768 at L = 64: 882 us in all, of which cumsum
+# 12, solve 70, the plan 80, `chunk_fwd_intra`'s $w$, $u$ 197, the bound check and the windows 109,
+# phase 1 143, phase 2 70 and phase 3 199. FlashQLA's whole forward took 395. A third of ours went
+# to bookkeeping that FlashQLA does not have: the plan's ~30 small torch launches (replayed by the
+# graph every call), a second preparation pass that exists only to feed the old warm-up kernel, and
+# ~25 more launches to find the windows. On (4, 16) and (16, 16) the preparation pass alone took
+# about 400 us, so s17 did not split them at all.
+#
+# s18 removes all three:
+#
+# - **The plan from the host.** The width rule already reads `cu_seqlens` once per tensor
+#   (`flashqla.varlen.host_bounds`), so the lengths are known: `autocp.host_plan` builds the
+#   segment table on the CPU, copies it once and keeps it; a CUDA graph captured later reads the
+#   kept copy (and keeps it alive). Only a capture with no eager call before it builds the plan on
+#   the device, as before.
+# - **Phase 1 from the solve's $A_b$.** The warm-up kernel now runs the fused kernels' own chain:
+#   $U = K S$, $W = V - \mathrm{diag}(e^{g}) U$, $\tilde V = (\Gamma \odot A_b) W$,
+#   $S \leftarrow e^{g_C} S + K^\top \mathrm{diag}(e^{g_C - g}) \tilde V$, with $v = 0$ and $S_0 = I$
+#   for the $M$ tiles. No $w$, no $u$, no second pass.
+# - **The windows in one kernel**, one CTA a (segment, value head): the chunk decays summed in
+#   float64 as `autocp.warmup` sums them, and the bound's conditions over the previous segment
+#   from $g$, $\beta$ and the solve's `gated` flags ($\beta \|k\|^2 > 2$ is what the solve flags;
+#   $\|k\|^2 \ge 0$, so the sign needs $\beta$ alone). `tests/test_autocp.py` checks it against
+#   `autocp.warmup` bit for bit, with flagged chunks and broken conditions.
+
+# %%
+s18 = load("gdn_fwd", 18)
+print(inspect.getsource(s18.windows_kernel))
+
+# %% [markdown]
+# The split is now cheap enough that its best segment length changed. `profiles/split_lab.py` forced
+# s18 to each L on few-head problems (`profiles/results/autocp_split.csv`): the fastest split fills
+# *two* CTAs an SM in phase 3 (L = 32 on (2, 8), 64 on (4, 16) and (16, 16)), because the fused
+# kernel at 64 columns runs two CTAs an SM at once; lengths between lose to a ragged last wave. The
+# rule (`s18.segment_chunks`) takes that L and splits when its cost model, 4.4 chunk steps per
+# chunk of a segment (phases 1 and 3), 3.6 per segment (phase 2) and 33 once, is below the unsplit
+# launch's steps; the test suite checks it picks the fastest measured choice on every problem of
+# the sweep.
+
+# %%
+split_rows = bench.read_csv(RESULTS / "autocp_split.csv")
+sweep = {}
+for r in split_rows:
+    sweep.setdefault(r["problem"], {})[(r["impl"], r["L"])] = float(r["ms"])
+labels = [p for p in sweep if any(k[0] == "gdn_fwd.s18" and k[1] not in ("", "0") for k in sweep[p])]
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+for ax, heads in zip(axes, ("(2, 8)", "(4, 16)", "(16, 16)")):
+    for label, color in zip([p for p in labels if p.startswith(heads)], ("tab:blue", "tab:orange", "tab:green")):
+        t = sweep[label]
+        Ls = sorted(int(k[1]) for k in t if k[0] == "gdn_fwd.s18" and k[1] not in ("", "0"))
+        ax.plot(Ls, [t["gdn_fwd.s18", str(L)] for L in Ls], "o-", color=color, label=bench.short_label(label))
+        ax.axhline(t["gdn_fwd.s18", "0"], color=color, ls=":", lw=1)
+        ax.axhline(t["FlashQLA", ""], color=color, ls="--", lw=1)
+    ax.set_title(f"{heads}: s18 at L (dots: unsplit, dashes: FlashQLA)", fontsize=9)
+    ax.set_xlabel("L, chunks a segment")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+print(f"{'problem':22s} {'unsplit':>8s} {'rule':>10s} {'s17':>8s} {'FlashQLA':>9s}")
+for label in sweep:
+    t = sweep[label]
+    _, hv, lens = bench.heads_and_lengths(label)
+    chunks = [-(-n // C) for n in lens]
+    L = s18.segment_chunks(chunks, hv, 132, s18.WIDTHS.step[s18.PIPELINE.block_v(chunks, hv, 128, 132, s18.WIDTHS.step)])
+    mine = t["gdn_fwd.s18", str(L)]
+    print(f"{bench.short_label(label):22s} {t['gdn_fwd.s18', '0']:8.3f} {mine:6.3f} L{L:<3d}"
+          f"{t['gdn_fwd.s17', '']:8.3f} {t['FlashQLA', '']:9.3f}")
+    assert mine <= 1.02 * min(v for k, v in t.items() if k[0] == "gdn_fwd.s18")
+
+# %% [markdown]
+# Where it splits, s18 is 1.07-1.56x s17, and the benchmark's API (which runs s18) gives (2, 8)
+# 1 x 32768 in 0.545 ms against s17's 0.842. FlashQLA is still 1.3-1.4x faster on these problems
+# (0.396 ms there). What is left, from the prefix timing above: phase 2 is $J - 1$ fp32 batched
+# matmuls of about 8 us each, launch-bound (136 us for J = 16; FlashQLA's correction is one 56 us
+# kernel), and phase 1 runs its chain with no overlap between its three products. One kernel for the
+# whole chaining, and phase 1 with the fused kernel's warp roles, are the next steps.
