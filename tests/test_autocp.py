@@ -139,6 +139,28 @@ def python_segments(lengths, L):
 
 
 @pytest.mark.parametrize("L", [1, 2, 3, 8])
+@pytest.mark.parametrize("lengths", [(0, 1, 500, 64, 1300, 0, 129), (5,), (640, 640, 640), (1000,), (3000, 40)])
+def test_host_plan_is_the_device_plan(lengths, L):
+    """``autocp.host_plan`` (the lengths known, J from the longest sequence) has the device plan's
+    segment rows, slots and chunk rows; its slots stop at its J, the device's bound (all the tokens)
+    may have more, empty. ``slot_chunk``: the chunk-table row at each real slot's start."""
+    T, N = sum(lengths), len(lengths)
+    bounds = cu_of(lengths).tolist()
+    got = autocp.host_plan(bounds, L, CPU)
+    want = autocp.plan(cu_of(lengths), 1, T, 4, 132, 2, CPU, force=L)
+    J = got.max_segments
+    assert J == max(1, max(-(-n // (C * L)) for n in lengths)) <= want.max_segments
+    for field in ("bounds", "slot_of_segment", "last_segment", "first_chunk"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    for field in ("slot_start", "slot_warm"):
+        assert torch.equal(getattr(got, field), getattr(want, field)[: J * N]), field
+    for r, slot in enumerate(got.slot_of_segment.tolist()):
+        if got.bounds[r] < got.bounds[r + 1]:
+            assert got.slot_chunk[slot] == got.first_chunk[r], (r, slot)
+    assert autocp.host_plan(bounds, L, CPU) is got                  # kept for the same lengths
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 8])
 @pytest.mark.parametrize("lengths,varlen", [((0, 1, 500, 64, 1300, 0, 129), True), ((5,), True),
                                             ((640, 640, 640), False), ((1000,), True)])
 def test_plan_covers_every_token_once(lengths, varlen, L):
