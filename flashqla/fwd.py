@@ -1015,7 +1015,7 @@ def _compiled(builder, *shape):
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
     """Checked API inputs (bf16 q, k, v; K = V = 128) -> (o [B, T, HV, V] bf16, final state or None).
 
-    ``cp``: AutoCP's split (``flashqla.autocp.segment_chunks``' ``force``): None decides, False
+    ``cp``: AutoCP's split (``segment_chunks``' ``force``): None decides, False
     never splits, True splits by the rule, an int is the segment length in chunks."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
