@@ -210,10 +210,15 @@ def host_plan(bounds: list[int], L: int, device: torch.device) -> Plan | None:
 def slot_chunks(cu_seqlens, batch: int, seqlen: int, L: int, J: int, device) -> torch.Tensor:
     """int32 [J * N]: the ``flashqla.varlen.chunk_table`` row of the chunk where slot j * N + n
     starts, the sequence's first row + j L (a warm-up window's chunks are the rows before it)."""
-    seqs = seq_bounds(cu_seqlens, batch, seqlen, device).long()
-    rows = (seqs[1:] - seqs[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE     # chunk rows of each sequence
-    seq_row0 = rows.cumsum(0) - rows
-    return (seq_row0[None, :] + L * torch.arange(J, device=seqs.device)[:, None]).reshape(-1).to(torch.int32)
+    seq_row0 = _first_rows(seq_bounds(cu_seqlens, batch, seqlen, device).long())[:-1]
+    return (seq_row0[None, :] + L * torch.arange(J, device=seq_row0.device)[:, None]).reshape(-1).to(torch.int32)
+
+
+def _first_rows(seqs: torch.Tensor) -> torch.Tensor:
+    """[N + 1]: each sequence's first row of ``flashqla.varlen.chunk_table`` (sequence by sequence,
+    ceil(len / 64) each), then the rows in all, from the sequence bounds ``seqs`` [N + 1]."""
+    seq_rows = ((seqs[1:] - seqs[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE).cumsum(0)
+    return torch.cat([seq_rows.new_zeros(1), seq_rows])
 
 
 def _build_plan(cu_seqlens, batch, seqlen, L, device, longest: int | None = None) -> Plan:
@@ -239,8 +244,7 @@ def _build_plan(cu_seqlens, batch, seqlen, L, device, longest: int | None = None
     slot_start = torch.minimum(seqs[None, :-1] + span * jj, seqs[None, 1:])
     slot_warm = (jj >= 1) & (jj < count[None])
     # chunk rows as flashqla.varlen.chunk_table numbers them: sequence by sequence, ceil(len / 64) each
-    seq_rows = ((seqs[1:] - seqs[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE).cumsum(0)
-    seq_row0 = torch.cat([seq_rows.new_zeros(1), seq_rows])                  # [N + 1]
+    seq_row0 = _first_rows(seqs)                                            # [N + 1]
     first_chunk = torch.cat([torch.where(real, seq_row0[seq_c] + L * j, seq_row0[N]), seq_row0[N:]])
     return Plan(L, N, J, bounds.to(torch.int32), torch.where(real, j * N + seq_c, 0),
                 first[1:] - 1, slot_start.reshape(-1).to(torch.int32), slot_warm.reshape(-1),

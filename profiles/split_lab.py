@@ -46,7 +46,7 @@ def measure(out: Path, heads, commit: str) -> int:
         sets = bench.input_sets(p, l2)
         x = sets[0]
         off = s18.forward(**x, cp=False)
-        impls = [(f"gdn_fwd.s18", L, lambda y, L=L: s18.forward(**y, cp=L if L else False))
+        impls = [("gdn_fwd.s18", L, lambda y, L=L: s18.forward(**y, cp=L if L else False))
                  for L in LS if 3 * 64 * L <= max(p.lengths)]
         impls += [("gdn_fwd.s18 auto", "", lambda y: s18.run(**y)), ("gdn_fwd.s17", "", lambda y: s17.run(**y)),
                   ("FlashQLA", "", lambda y: flash_qla.chunk_gated_delta_rule(**y))]

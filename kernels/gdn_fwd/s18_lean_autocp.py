@@ -298,9 +298,12 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
             raise ValueError(f"gdn_fwd.s18: `cp` as segment length must be >= 1 chunk; got {force}")
         return force
     lanes = 2 * HV
-    L = autocp.MIN_SEGMENT_CHUNKS
-    while L < longest and lanes * sum(-(-c // L) for c in seq_chunks) > PHASE3_CTAS_PER_SM * num_sms:
-        L += 1
+    def fits(L):  # segments shrink in count as L grows: bisect for the shortest L that fits
+        return L >= longest or lanes * sum(-(-c // L) for c in seq_chunks) <= PHASE3_CTAS_PER_SM * num_sms
+    L, hi = autocp.MIN_SEGMENT_CHUNKS, max(autocp.MIN_SEGMENT_CHUNKS, longest)
+    while L < hi:
+        mid = (L + hi) // 2
+        L, hi = (L, mid) if fits(mid) else (mid + 1, hi)
     J = -(-longest // L)
     if force is None and (J < 2 or SEGMENT_CHUNK_STEPS * L + SEGMENT_STEPS * J + FIXED_STEPS
                           >= unsplit_step * longest):
