@@ -99,7 +99,8 @@ PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_
 SEGMENT_CHUNK_STEPS = 4.4              # fill two CTAs an SM; the split costs these chunk steps at
 SEGMENT_STEPS = 3.6                    # BV 64 per chunk of a segment, per segment and once
 FIXED_STEPS = 33
-SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks, one block column per warp
+SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
+MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
@@ -174,7 +175,13 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/gate_free_solve/s05_four_ctas_an_sm.py
+# ---- promoted from kernels/gate_free_solve/s07_one_copy_of_the_code.py
+def cta_heads(H: int, HV: int) -> int:
+    """The largest divisor of HV / H up to MAX_HEADS_PER_CTA: the value heads sharing one K K^T."""
+    group = HV // H
+    return max(r for r in range(1, MAX_HEADS_PER_CTA + 1) if group % r == 0)
+
+
 def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
     value heads of one key head (a divisor of HV / H); any token or chunk count."""
@@ -185,8 +192,56 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
 
+    @T.macro
+    def phase_a(a_s, beta_s, xd_s, x_a, acc, row, jb, c, half, r0, nr):
+        # X_jj <- (I + A_jj)^-1 e_c for heads r0 .. r0 + nr - 1 at once (independent chains): forward
+        # substitution over the block's 16 rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l
+        # (unknown x_l are still 0); half h sums l in 8h .. 8h + 7, one shuffle adds the other half
+        for s in T.unroll(nr * 8):
+            x_a[s] = 0.0
+        for i in T.unroll(SOLVE_BLOCK):
+            for u in T.unroll(nr):
+                acc[2 * u] = 0.0
+                acc[2 * u + 1] = 0.0
+                for q in T.unroll(8):
+                    acc[2 * u + q % 2] = acc[2 * u + q % 2] + a_s[SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q] * x_a[8 * u + q]
+            for u in T.unroll(nr):
+                row[u] = acc[2 * u] + acc[2 * u + 1]
+                row[u] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r0 + u, SOLVE_BLOCK * jb + i] * (
+                    row[u] + T.shfl_xor(row[u], 16))
+                if i // 8 == half:
+                    x_a[8 * u + i % 8] = row[u]
+        for u in T.unroll(nr):
+            for q in T.unroll(8):
+                xd_s[r0 + u, SOLVE_BLOCK * jb + 8 * half + q, c] = x_a[8 * u + q]
+
+    @T.macro
+    def phase_b(a_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, r):
+        # X_jj's column c (phase A's, from shared: another warp may have solved it)
+        for q in T.unroll(8):
+            x_col[q] = xd_s[r, SOLVE_BLOCK * jb + 8 * half + q, c]
+        # level d, block row i = j + d of block column j: t <- diag(beta) sum_{e < d} A_{i, j+e}
+        # X_{j+e, j}[:, c] (16 independent row sums), then X_ij[:, c] <- -X_ii t
+        for d in T.unroll(1, NB):
+            if jb + d < NB:
+                for i in T.unroll(SOLVE_BLOCK):
+                    acc[0] = 0.0
+                    acc[1] = 0.0
+                    for e in T.unroll(d):
+                        for q in T.unroll(8):
+                            acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * (jb + d) + i,
+                                                          SOLVE_BLOCK * (jb + e) + 8 * half + q] * x_col[8 * e + q]
+                    row[0] = acc[0] + acc[1]
+                    t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
+                for q in T.unroll(8):
+                    acc[0] = 0.0
+                    acc[1] = 0.0
+                    for s in T.unroll(SOLVE_BLOCK):
+                        acc[s % 2] = acc[s % 2] + xd_s[r, SOLVE_BLOCK * (jb + d) + 8 * half + q, s] * t_col[s]
+                    x_col[8 * d + q] = -(acc[0] + acc[1])
+
     @T.prim_func
-    def gate_free_solve_blocked(
+    def gate_free_solve_balanced(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
@@ -197,10 +252,9 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
         with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
             T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             t = T.get_thread_binding()
-            jb = t // 32                                       # this warp's block column
-            c = t % 16                                         # its column within the block
+            warp = t // 32                                     # phase A: this warp's block column
+            c = t % 16                                         # the lane's column within a block
             half = (t // 16) % 2                               # which half of each row sum
-            col = SOLVE_BLOCK * jb + c                               # the lane's column of X
             hv0 = i_r * R                                      # this CTA's first value head
             i_h = hv0 // group
             bos = chunk_bounds[i_c, 0]                         # first token of the chunk
@@ -208,17 +262,18 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
 
             k_s = T.alloc_shared((C, K), "bfloat16")
             kkt_s = T.alloc_shared((C, C), "float32")
-            a_s = T.alloc_shared((C, C), "float32")
-            xd_s = T.alloc_shared((C, SOLVE_BLOCK), "float32")       # row i: X's diagonal block row i
-            out_s = T.alloc_shared((C, C), "bfloat16")
+            a_s = T.alloc_shared((C, C), "float32")            # the solves' A: K K^T, or K K^T * Gamma
+            xd_s = T.alloc_shared((R, C, SOLVE_BLOCK), "float32")    # head r, row i: X's diagonal block row i
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
             kkt_f = T.alloc_fragment((C, C), "float32")
+            x_a = T.alloc_local((R * 8,), "float32")           # phase A: X_jj[8 half + q, c] of head u at 8 u + q
             x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
             t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
-            acc = T.alloc_local((2,), "float32")               # two partial sums of a row
-            row = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((2 * R,), "float32")           # two partial sums of a row, per head
+            row = T.alloc_local((R,), "float32")
+            any_flag = T.alloc_local((1,), "int32")
 
             # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
             for r in T.Parallel(R):
@@ -230,7 +285,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
                 g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
             # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), kept for every value head;
-            # a_s, the solve's source, holds it too, or K K^T * Gamma while a flagged head solves
+            # a_s, the solves' source, holds it too, or K K^T * Gamma while a flagged head solves
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
             T.copy(kkt_f, kkt_s)
             T.copy(kkt_f, a_s)
@@ -238,77 +293,54 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             for r, i in T.Parallel(R, C):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
                     flag_s[r] = 1
+            T.sync_threads()
+            any_flag[0] = 0
+            for r in T.unroll(R):
+                any_flag[0] = any_flag[0] | flag_s[r]
 
-            for r in T.serial(R):
-                # A = diag(beta) StrictLower(a_s): a_s is K K^T (no per-head pass: beta scales the
-                # row sums below, and every sum meets only x_l with l < i, the others still 0),
-                # or for a flagged head K K^T * Gamma below the diagonal (exponents g_i - g_j <= 0;
-                # zero above it, where exp2 would overflow); beta = 0 on rows >= n
-                if flag_s[r] == 1:
-                    for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else((j < i) & (i < n), kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0)
-
-                # phase A: X_jj <- (I + A_jj)^-1 e_c by forward substitution over the block's 16
-                # rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l (unknown x_l are still 0);
-                # half h sums l in 8h .. 8h + 7, one shuffle adds the other half
-                for s in T.unroll(NB * 8):
-                    x_col[s] = 0.0
-                for i in T.unroll(SOLVE_BLOCK):
-                    acc[0] = 0.0
-                    acc[1] = 0.0
-                    for q in T.unroll(8):
-                        acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q] * x_col[q]
-                    row[0] = acc[0] + acc[1]
-                    row[0] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r, SOLVE_BLOCK * jb + i] * (
-                        row[0] + T.shfl_xor(row[0], 16))
-                    if i // 8 == half:
-                        x_col[i % 8] = row[0]
-                for q in T.unroll(8):
-                    xd_s[SOLVE_BLOCK * jb + 8 * half + q, c] = x_col[q]
+            # phase A: warp w solves X_ww of every head, the heads' substitutions interleaved (a CTA
+            # with a flagged head solves its heads one at a time below)
+            if any_flag[0] == 0:
+                phase_a(a_s, beta_s, xd_s, x_a, acc, row, warp, c, half, 0, R)
                 T.sync_threads()
 
-                # phase B, level d: block row i = j + d of the warp's block column j,
-                # t <- diag(beta) sum_{e < d} a_{i, j+e} X_{j+e, j}[:, c] (16 independent row sums), then
-                # X_ij[:, c] <- -X_ii t (X_ii from phase A, this half's 8 rows)
-                for d in T.unroll(1, NB):
-                    if jb + d < NB:
-                        for i in T.unroll(SOLVE_BLOCK):
-                            acc[0] = 0.0
-                            acc[1] = 0.0
-                            for e in T.unroll(d):
-                                for q in T.unroll(8):
-                                    acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * (jb + d) + i,
-                                                                  SOLVE_BLOCK * (jb + e) + 8 * half + q] * x_col[8 * e + q]
-                            row[0] = acc[0] + acc[1]
-                            t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
+            for r in T.serial(R):
+                if any_flag[0] == 1:
+                    # a CTA with a flagged head, head r alone: a_s <- K K^T * Gamma below the
+                    # diagonal of the real rows (zero elsewhere, where exp2 could overflow) for a
+                    # flagged head, K K^T for the others; then phase A of head r
+                    T.sync_threads()
+                    for i, j in T.Parallel(C, C):
+                        a_s[i, j] = T.if_then_else(
+                            flag_s[r] == 1,
+                            T.if_then_else((j < i) & (i < n), kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0),
+                            kkt_s[i, j])
+                    T.sync_threads()
+                    phase_a(a_s, beta_s, xd_s, x_a, acc, row, warp, c, half, r, 1)
+                    T.sync_threads()
+                # phase B: for head r warp w walks block column ``jb`` down (the columns' work is 9,
+                # 5, 2 and 0 block products; a Latin square over four heads (w, 3 - w, w + 2, 1 - w,
+                # mod 4) spreads them: over four heads every warp takes every column once, over
+                # two the long column 0 pairs with the empty column 3), then stores
+                # Ab[:, col] = X[:, col] beta_col in bf16 straight from registers (rows < n)
+                jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
+                col = SOLVE_BLOCK * jb + c
+                phase_b(a_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, r)
+                # block row j + l holds X_{j+l, j} (x_col[8 l ..]); the block rows above j are zero
+                for l in T.unroll(NB):
+                    if jb + l < NB:
                         for q in T.unroll(8):
-                            acc[0] = 0.0
-                            acc[1] = 0.0
-                            for s in T.unroll(SOLVE_BLOCK):
-                                acc[s % 2] = acc[s % 2] + xd_s[SOLVE_BLOCK * (jb + d) + 8 * half + q, s] * t_col[s]
-                            x_col[8 * d + q] = -(acc[0] + acc[1])
-
-                # Ab[:, col] <- X[:, col] beta_col (bf16): block row j + d holds X_{j+d, j} (at
-                # x_col[8 d ..]); the block rows above the diagonal block are zero
-                for d in T.unroll(NB):
-                    if jb + d < NB:
+                            if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
+                                ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
+                for l in T.unroll(1, NB):
+                    if jb >= l:
                         for q in T.unroll(8):
-                            out_s[SOLVE_BLOCK * (jb + d) + 8 * half + q, col] = x_col[8 * d + q] * beta_s[r, col]
-                for d in T.unroll(1, NB):
-                    if jb >= d:
-                        for q in T.unroll(8):
-                            out_s[SOLVE_BLOCK * (jb - d) + 8 * half + q, col] = 0
-                # ab[bos : bos + n, hv0 + r] <- Ab, whole 128-byte rows
-                for i, j in T.Parallel(C, C):
-                    if i < n:
-                        ab[bos + i, hv0 + r, j] = out_s[i, j]
+                            if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
+                                ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
                 if t == 0:
                     gated[i_c, hv0 + r] = flag_s[r]
-                # a_s <- K K^T again after a flagged head
-                if flag_s[r] == 1:
-                    T.copy(kkt_s, a_s)
 
-    return gate_free_solve_blocked
+    return gate_free_solve_balanced
 
 
 # ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows and phase 1)
@@ -1043,7 +1075,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     with nvtx_range("fwd.chunk_local_cumsum"):
         _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
     with nvtx_range("fwd.gate_free_solve"):
-        _compiled(gate_free_solve_kernel, H, HV, HV // H)(k, beta, g_cum, chunks, ab, gated)
+        _compiled(gate_free_solve_kernel, H, HV, cta_heads(H, HV))(k, beta, g_cum, chunks, ab, gated)
 
     sms = autocp.num_sms(device)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)

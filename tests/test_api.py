@@ -227,7 +227,7 @@ def compiled_kernels():
     from flashqla import bwd, fwd
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
-        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.gate_free_solve_kernel, H, HV, HV // H),
+        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.gate_free_solve_kernel, H, HV, fwd.cta_heads(H, HV)),
         *((fwd, fwd.fused_reform_kernel, H, HV, 128, 128, bv) for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V)),
         (bwd, bwd.walk_kernel, H, HV, bwd.BV),
         *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,

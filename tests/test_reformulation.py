@@ -95,7 +95,7 @@ def test_s04_on_adversarial_inputs(kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("solve_stage", [1, 2, 3, 4, 5, 6], ids=["s01", "s02", "s03", "s04", "s05", "s06"])
+@pytest.mark.parametrize("solve_stage", [1, 2, 3, 4, 5, 6, 7], ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07"])
 def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound(solve_stage):
     x = adversarial_inputs("unnormalized_keys")
     k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
@@ -110,12 +110,12 @@ def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound(solve_stage):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("solve_stage", [4, 5, 6], ids=["s04", "s05", "s06"])
+@pytest.mark.parametrize("solve_stage", [4, 5, 6, 7], ids=["s04", "s05", "s06", "s07"])
 @pytest.mark.parametrize("kind", ADVERSARIAL)
 def test_solve_stages_give_s02s_bits(solve_stage, kind):
-    """gate_free_solve.s04 (one value head a CTA), s05 (launch bounds) and s06 (block columns
-    spread over the warps) change where and by whom s02's operations run, not the operations: Ab
-    and the flags are s02's, bit for bit."""
+    """gate_free_solve.s04 (one value head a CTA), s05 (launch bounds), s06 (block columns spread
+    over the warps) and s07 (flagged heads' A rebuilt in shared memory again) change where and by
+    whom s02's operations run, not the operations: Ab and the flags are s02's, bit for bit."""
     x = adversarial_inputs(kind)
     k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
     g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
@@ -126,8 +126,8 @@ def test_solve_stages_give_s02s_bits(solve_stage, kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("solve_stage, forward_stage", [(1, 8), (2, 11), (3, None), (4, None), (5, None), (6, None)],
-                         ids=["s01", "s02", "s03", "s04", "s05", "s06"])
+@pytest.mark.parametrize("solve_stage, forward_stage", [(1, 8), (2, 11), (3, None), (4, None), (5, None), (6, None), (7, None)],
+                         ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07"])
 def test_flagged_partial_chunk_with_strong_decay(solve_stage, forward_stage):
     """Flagged (gated) heads whose chunks end early and decay strongly: past a sequence's end g_cum
     is padded with 0, so exp2(g_i - g_j) on those rows overflows (36 and 37 rows at -3 to -4 a
