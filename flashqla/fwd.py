@@ -175,7 +175,7 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/gate_free_solve/s07_one_copy_of_the_code.py
+# ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py
 def cta_heads(H: int, HV: int) -> int:
     """The largest divisor of HV / H up to MAX_HEADS_PER_CTA: the value heads sharing one K K^T."""
     group = HV // H
@@ -192,8 +192,15 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
 
+    def a_elem(kkt_s, g_s, r, i, l, n, gate):
+        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
+        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
+        if gate:
+            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
+        return kkt_s[i, l]
+
     @T.macro
-    def phase_a(a_s, beta_s, xd_s, x_a, acc, row, jb, c, half, r0, nr):
+    def phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
         # X_jj <- (I + A_jj)^-1 e_c for heads r0 .. r0 + nr - 1 at once (independent chains): forward
         # substitution over the block's 16 rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l
         # (unknown x_l are still 0); half h sums l in 8h .. 8h + 7, one shuffle adds the other half
@@ -204,7 +211,8 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 acc[2 * u] = 0.0
                 acc[2 * u + 1] = 0.0
                 for q in T.unroll(8):
-                    acc[2 * u + q % 2] = acc[2 * u + q % 2] + a_s[SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q] * x_a[8 * u + q]
+                    acc[2 * u + q % 2] = acc[2 * u + q % 2] + a_elem(
+                        kkt_s, g_s, r0 + u, SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q, n, gate) * x_a[8 * u + q]
             for u in T.unroll(nr):
                 row[u] = acc[2 * u] + acc[2 * u + 1]
                 row[u] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r0 + u, SOLVE_BLOCK * jb + i] * (
@@ -216,7 +224,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 xd_s[r0 + u, SOLVE_BLOCK * jb + 8 * half + q, c] = x_a[8 * u + q]
 
     @T.macro
-    def phase_b(a_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, r):
+    def phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, gate):
         # X_jj's column c (phase A's, from shared: another warp may have solved it)
         for q in T.unroll(8):
             x_col[q] = xd_s[r, SOLVE_BLOCK * jb + 8 * half + q, c]
@@ -229,8 +237,9 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     acc[1] = 0.0
                     for e in T.unroll(d):
                         for q in T.unroll(8):
-                            acc[q % 2] = acc[q % 2] + a_s[SOLVE_BLOCK * (jb + d) + i,
-                                                          SOLVE_BLOCK * (jb + e) + 8 * half + q] * x_col[8 * e + q]
+                            acc[q % 2] = acc[q % 2] + a_elem(
+                                kkt_s, g_s, r, SOLVE_BLOCK * (jb + d) + i, SOLVE_BLOCK * (jb + e) + 8 * half + q, n,
+                                gate) * x_col[8 * e + q]
                     row[0] = acc[0] + acc[1]
                     t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
                 for q in T.unroll(8):
@@ -262,7 +271,6 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
 
             k_s = T.alloc_shared((C, K), "bfloat16")
             kkt_s = T.alloc_shared((C, C), "float32")
-            a_s = T.alloc_shared((C, C), "float32")            # the solves' A: K K^T, or K K^T * Gamma
             xd_s = T.alloc_shared((R, C, SOLVE_BLOCK), "float32")    # head r, row i: X's diagonal block row i
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
@@ -284,11 +292,9 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             for r, i in T.Parallel(R, C):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
                 g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
-            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), kept for every value head;
-            # a_s, the solves' source, holds it too, or K K^T * Gamma while a flagged head solves
+            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
             T.copy(kkt_f, kkt_s)
-            T.copy(kkt_f, a_s)
             # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
             for r, i in T.Parallel(R, C):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
@@ -298,34 +304,31 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
             for r in T.unroll(R):
                 any_flag[0] = any_flag[0] | flag_s[r]
 
-            # phase A: warp w solves X_ww of every head, the heads' substitutions interleaved (a CTA
-            # with a flagged head solves its heads one at a time below)
+            # phase A: warp w solves X_ww of every head, the heads' substitutions interleaved; a CTA
+            # with a flagged head solves its heads one at a time, each with its own A
             if any_flag[0] == 0:
-                phase_a(a_s, beta_s, xd_s, x_a, acc, row, warp, c, half, 0, R)
-                T.sync_threads()
+                phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, 0, R, False)
+            else:
+                for r in T.unroll(R):
+                    if flag_s[r] == 1:
+                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, True)
+                    else:
+                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, False)
+            T.sync_threads()
 
+            # phase B: for head r warp w walks block column block_column(w, r) down (the columns'
+            # work is 9, 5, 2 and 0 block products; the Latin square spreads them), then stores
+            # Ab[:, col] = X[:, col] beta_col in bf16 straight from registers (rows < n)
             for r in T.serial(R):
-                if any_flag[0] == 1:
-                    # a CTA with a flagged head, head r alone: a_s <- K K^T * Gamma below the
-                    # diagonal of the real rows (zero elsewhere, where exp2 could overflow) for a
-                    # flagged head, K K^T for the others; then phase A of head r
-                    T.sync_threads()
-                    for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else(
-                            flag_s[r] == 1,
-                            T.if_then_else((j < i) & (i < n), kkt_s[i, j] * T.exp2(g_s[r, i] - g_s[r, j]), 0),
-                            kkt_s[i, j])
-                    T.sync_threads()
-                    phase_a(a_s, beta_s, xd_s, x_a, acc, row, warp, c, half, r, 1)
-                    T.sync_threads()
-                # phase B: for head r warp w walks block column ``jb`` down (the columns' work is 9,
-                # 5, 2 and 0 block products; a Latin square over four heads (w, 3 - w, w + 2, 1 - w,
-                # mod 4) spreads them: over four heads every warp takes every column once, over
-                # two the long column 0 pairs with the empty column 3), then stores
-                # Ab[:, col] = X[:, col] beta_col in bf16 straight from registers (rows < n)
+                # block column of head r: a Latin square over four heads (w, 3 - w, w + 2, 1 - w, mod
+                # 4): over four heads every warp takes every column once, over two the long column 0
+                # pairs with the empty column 3
                 jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
                 col = SOLVE_BLOCK * jb + c
-                phase_b(a_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, r)
+                if flag_s[r] == 1:
+                    phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
+                else:
+                    phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, False)
                 # block row j + l holds X_{j+l, j} (x_col[8 l ..]); the block rows above j are zero
                 for l in T.unroll(NB):
                     if jb + l < NB:

@@ -15,7 +15,7 @@ from flashqla.testing import Problem, check_op
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
-    (fwd.gate_free_solve_kernel, ("gate_free_solve", 7), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
     (fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
@@ -44,9 +44,9 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
 
 
 def test_solve_groups_value_heads_as_its_stage():
-    """The solve's CTAs take gate_free_solve.s07's number of value heads (``cta_heads``): the copy
+    """The solve's CTAs take gate_free_solve.s06's number of value heads (``cta_heads``): the copy
     of the kernel above is only the stage's at that number."""
-    stage = load("gate_free_solve", 7)
+    stage = load("gate_free_solve", 6)
     for H, HV in [(2, 8), (4, 16), (8, 24), (8, 32), (16, 16), (16, 32), (16, 48), (16, 64), (1, 8), (2, 12)]:
         assert fwd.cta_heads(H, HV) == stage.cta_heads(H, HV)
 
@@ -106,7 +106,7 @@ def test_a_changed_kernel_is_caught():
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
-    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 7), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
