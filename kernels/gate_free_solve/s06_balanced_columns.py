@@ -34,7 +34,25 @@ the staging and A buffers are gone). Registers: 128, no spills (ptxas, nvcc 13.0
 16) to (16, 64), launch bounds (128, 4) as s05). With one value head a key head ((16, 16)) the
 assignment is s05's: there is nothing to spread.
 
-Measured effect: MEASURED
+Measured effect (``profiles/solve_lab.py`` -> ``profiles/results/solve.csv``: each solve alone,
+CUDA-graph replay, 4 x H100, commit ce27576, beside s07; its GPU tests passed at 5c8a6ee: Ab and
+the flags bit for bit s02's on the adversarial inputs, the flags, flagged partial chunks, the
+public shapes): 0.85-0.90x s05's time on all 16 problems, 0.74-0.80x s02's; (16, 64) 1 x 32768
+0.400 ms against s05's 0.450 and FlashQLA's kkt_solve 0.452. Against kkt_solve: 1.10-1.19x its
+speed with four value heads a key head, 1.03-1.07x with three, 0.96-0.97x with two, 0.75-0.76x
+with one; at 30-45 % of the copy roof. The gain is no larger with four heads a CTA than with
+one ((16, 16): 0.86-0.87x s05, where the columns are not spread at all), so it comes from the
+barriers and the staging buffer that are gone, not from the balance: with four CTAs an SM, the
+other CTAs' warps already filled what warp 3 left idle. Nsight Compute on (16, 64) 1 x 8192
+(``profiles/results/ncu_gate_free_solve_s06.csv`` beside ``..._s05.csv``, one H100, the same run):
+98 us against 110, ``barrier`` no longer among the top three stalls (s05: barrier 2.64,
+short_scoreboard 2.19, wait 1.02; here no_instruction 1.38, long_scoreboard 1.14, not_selected
+1.08), 23 % achieved occupancy. ``no_instruction`` is the instruction cache: the kernel is 27,152
+SASS instructions against s05's 4,400, 2,000 of them MUFU.EX2 on the flagged path
+(gate_free_solve.s07 removes that copy). Promoted: ``flashqla/fwd.py``'s
+``gate_free_solve_kernel``. The API on it runs 0.96-1.10x as fast as gdn_fwd.s18, the same
+pipeline on s05, in the same run (geomean 1.035x over the 40 problems of
+``profiles/results/gdn_fwd.csv``, 4 x H100, commit 02d7c5e).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

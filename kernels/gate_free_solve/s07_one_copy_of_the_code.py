@@ -15,10 +15,18 @@ others) between barriers, with that head's phase A run alone. One copy of phase 
 paths, and the fast path (no flagged head: phase A of all heads interleaved, one barrier) is
 s06's.
 
-SASS: SASS_COUNTS. Shared memory: 51 KiB (a_s is back), four CTAs an SM still fit (launch
+SASS: 5,712 instructions (s06: 27,152; s05: 4,400), 32 MUFU, no spills (nvcc 13.0, sm_90a, (16, 64)). Shared memory: 51 KiB (a_s is back), four CTAs an SM still fit (launch
 bounds (128, 4): 128 registers, no spills).
 
-Measured effect: MEASURED
+Measured effect (``profiles/solve_lab.py`` -> ``profiles/results/solve.csv``, 4 x H100, commit
+ce27576; its GPU tests passed there, bit for bit s02's): slower. 1.04-1.19x s06's time on all 16
+problems (0.89-1.07x s05's), so it is not promoted. Nsight Compute on (16, 64) 1 x 8192
+(``profiles/results/ncu_gate_free_solve_s07.csv``, same run): 110 us against s06's 98;
+``no_instruction`` fell from 1.38 to 1.17 warps an issue, but ``short_scoreboard`` (shared memory
+and shuffles) rose to first, 1.62. What costs more is not established. Two differences remain
+to test: the 16 KiB of a_s (51 KiB a CTA, 35 in s06) and the loop over heads, which now holds
+barriers inside a branch (8 BAR instructions against 5). The lesson is the measurement: a
+smaller kernel was not a faster one here.
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """
