@@ -401,7 +401,7 @@ assert agree and all(agree)
 # splits those. The rerun with (2, 8) and (4, 16) (commit 3198fc1) showed that (2, 8) 1 x 8192 lost
 # too (0.96x), where the model saves 80 steps, while (4, 16) and (16, 16) 1 x 32768 won (1.14x and
 # 1.05x) with 128: the fixed cost is now set between, `MIN_SAVED_CHUNKS` = 100, and the table
-# above (commit 24d18ce, 4 x H100) is timed with that rule. With s10's chain, faster still, the
+# above (commit 02d7c5e, 4 x H100) is timed with that rule. With s10's chain, faster still, the
 # split of (16, 16) 1 x 32768 no longer pays: s11 there took 1.524 ms against s10's 1.386 (with
 # a solve that is no faster at one value head per key head, `gate_free_solve.s02`'s docstring).
 #
@@ -433,7 +433,7 @@ for label in ("(2, 8) 1x32768", "(2, 8) 28672+4096", "(4, 16) 1x32768", "(16, 16
 # %% [markdown]
 # s13 takes the faster of the two on each, to within 4 % (its solve, `gate_free_solve.s02`, is s11's;
 # s12 runs s01's, which is why s13 is a little ahead of s12 where neither splits). FlashQLA ran
-# these problems faster, up to 2.3x ((2, 8) 1 x 32768: 0.39 ms against s17's 0.84 in this run).
+# these problems faster, up to 2.2x ((2, 8) 1 x 32768: 0.40 ms against s17's 0.87 in this run).
 # On (16, 16) 1 x 32768 (`profiles/results/kernel_split.csv`) FlashQLA splits, and its fused kernel over the segments takes
 # 208 us after a 290 us warm-up (`prepare_h`) and a 31 us correction, where our unsplit narrow launch
 # takes 903 us: its split runs 128 value columns a CTA, one CTA a (segment, head), so at the same SM
@@ -517,9 +517,9 @@ for label in sweep:
     assert mine <= 1.02 * min(v for k, v in t.items() if k[0] == "gdn_fwd.s18")
 
 # %% [markdown]
-# Where it splits, s18 is 1.07-1.56x s17, and the benchmark's API (which runs s18) gives (2, 8)
-# 1 x 32768 in 0.545 ms against s17's 0.842. FlashQLA is still 1.3-1.4x faster on these problems
-# (0.396 ms there). What is left, from the prefix timing above: phase 2 is $J - 1$ fp32 batched
+# Where it splits, s18 is 1.07-1.56x s17, and the benchmark's API (which runs s18's pipeline, with
+# `gate_free_solve.s06`) gives (2, 8) 1 x 32768 in 0.563 ms against s17's 0.868 (commit 02d7c5e).
+# FlashQLA is still 1.2-1.4x faster on these problems (0.401 ms there). What is left, from the prefix timing above: phase 2 is $J - 1$ fp32 batched
 # matmuls of about 8 us each, launch-bound (136 us for J = 16; FlashQLA's correction is one 56 us
 # kernel), and phase 1 runs its chain with no overlap between its three products. One kernel for the
 # whole chaining, and phase 1 with the fused kernel's warp roles, are the next steps.
