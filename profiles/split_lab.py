@@ -1,18 +1,19 @@
-"""Lab: AutoCP's segment length, gdn_fwd.s18 forced to each L beside its unsplit launch, s17 and
-FlashQLA, on few heads and long sequences.
+"""Lab: AutoCP's segment length, gdn_fwd.s18 or s20 forced to each L beside its unsplit launch, the
+stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/split_lab.py OUT.csv [--heads H,HV ...] [--commit SHA]
+    python3 profiles/split_lab.py OUT.csv [--stage 18|20] [--heads H,HV ...] [--commit SHA]
 
-For each problem of PROBLEMS, rows ``impl, L, ms``: ``gdn_fwd.s18`` with ``cp=L`` for each L of
-LS whose segments are at most a third of the longest sequence (L = 0: ``cp=False``, the unsplit
-launch), ``gdn_fwd.s18 auto`` (the rule), ``gdn_fwd.s17`` and ``FlashQLA``; ``flashqla.bench.time_row``
+For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
+``cp=L`` for each L of LS whose segments are at most a third of the longest sequence (L = 0:
+``cp=False``, the unsplit launch), ``gdn_fwd.sNN auto`` (the rule), the stage before it
+(PREVIOUS, its own rule) and ``FlashQLA``; ``flashqla.bench.time_row``
 (CUDA-graph replay over input sets that exceed twice the L2 cache, median). ``rel_err``: the
 split's o and final state against the unsplit launch's (relative L2, the larger), which the
 warm-up's bound keeps at bf16 rounding. Plus ``flashqla.bench.versions``' provenance columns.
-``profiles/results/autocp_split.csv`` holds one run (4 x H100, commit c585a80);
-``tests/test_autocp.py`` checks s18's rule against it. ``--report IN.csv`` prints the table.
+``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80) and one of s20;
+``tests/test_autocp.py`` checks each stage's rule against its rows. ``--report IN.csv`` prints the table.
 """
 
 import argparse
@@ -26,9 +27,10 @@ PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
             for lengths in ((32768,), (28672, 4096), (8192,))] + [
     Problem(8, 32, (32768,)), Problem(16, 32, (32768,)), Problem(8, 24, (32768,)), Problem(2, 8, (2048,))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
+PREVIOUS = {18: 17, 20: 18}  # the stage whose split a stage's sweep is compared with
 
 
-def measure(out: Path, heads, commit: str) -> int:
+def measure(out: Path, heads, commit: str, stage: int) -> int:
     import torch
 
     from flashqla import bench, stages
@@ -36,7 +38,8 @@ def measure(out: Path, heads, commit: str) -> int:
 
     import flash_qla
 
-    s17, s18 = stages.load("gdn_fwd", 17), stages.load("gdn_fwd", 18)
+    mod, prev = stages.load("gdn_fwd", stage), stages.load("gdn_fwd", PREVIOUS[stage])
+    name = f"gdn_fwd.s{stage}"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     meta = dict(bench.versions(commit), method="CUDA graph replay, median (bench.time_row)")
     rows = []
@@ -45,15 +48,16 @@ def measure(out: Path, heads, commit: str) -> int:
             continue
         sets = bench.input_sets(p, l2)
         x = sets[0]
-        off = s18.forward(**x, cp=False)
-        impls = [("gdn_fwd.s18", L, lambda y, L=L: s18.forward(**y, cp=L if L else False))
+        off = mod.forward(**x, cp=False)
+        impls = [(name, L, lambda y, L=L: mod.forward(**y, cp=L if L else False))
                  for L in LS if 3 * 64 * L <= max(p.lengths)]
-        impls += [("gdn_fwd.s18 auto", "", lambda y: s18.run(**y)), ("gdn_fwd.s17", "", lambda y: s17.run(**y)),
+        impls += [(f"{name} auto", "", lambda y: mod.run(**y)),
+                  (f"gdn_fwd.s{PREVIOUS[stage]}", "", lambda y: prev.run(**y)),
                   ("FlashQLA", "", lambda y: flash_qla.chunk_gated_delta_rule(**y))]
-        for name, L, fn in impls:
+        for impl, L, fn in impls:
             got = fn(x)
             err = max(rel_l2(got[0], off[0]), rel_l2(got[1], off[1]))
-            rows.append(dict(problem=p.label, impl=name, L=L, ms=round(bench.time_row(fn, sets)[0], 4),
+            rows.append(dict(problem=p.label, impl=impl, L=L, ms=round(bench.time_row(fn, sets)[0], 4),
                              rel_err=f"{err:.1e}", **meta))
             print(rows[-1], flush=True)
         with open(out, "w", newline="") as f:  # after every problem: a cut-short run keeps its rows
@@ -63,19 +67,21 @@ def measure(out: Path, heads, commit: str) -> int:
     return 0
 
 
-def report(path: Path) -> str:
-    """Per problem: ms of s18 at each L (0: unsplit), its rule's choice, s17 and FlashQLA."""
+def report(path: Path, stage: int) -> str:
+    """Per problem: ms of the stage at each L (0: unsplit), its rule's choice, the stage before it
+    and FlashQLA."""
     from flashqla.bench import short_label
 
+    name = f"gdn_fwd.s{stage}"
     rows = list(csv.DictReader(open(path)))
-    Ls = sorted({int(r["L"]) for r in rows if r["L"] != ""})
-    extra = ["gdn_fwd.s18 auto", "gdn_fwd.s17", "FlashQLA"]
+    Ls = sorted({int(r["L"]) for r in rows if r["impl"] == name})
+    extra = [f"{name} auto", f"gdn_fwd.s{PREVIOUS[stage]}", "FlashQLA"]
     lines = [f"{'problem':20s}" + "".join(f"{'L ' + str(L) if L else 'unsplit':>9s}" for L in Ls)
              + "".join(f"{e.replace('gdn_fwd.', ''):>10s}" for e in extra)]
     for label in dict.fromkeys(r["problem"] for r in rows):
         got = {(r["impl"], r["L"]): r["ms"] for r in rows if r["problem"] == label}
         lines.append(f"{short_label(label):20s}"
-                     + "".join(f"{got.get(('gdn_fwd.s18', str(L)), '-'):>9s}" for L in Ls)
+                     + "".join(f"{got.get((name, str(L)), '-'):>9s}" for L in Ls)
                      + "".join(f"{got.get((e, ''), '-'):>10s}" for e in extra))
     return "\n".join(lines)
 
@@ -85,9 +91,10 @@ if __name__ == "__main__":
     ap.add_argument("csv", type=Path)
     ap.add_argument("--heads", nargs="*", default=[], help="only these, e.g. 16,16 2,8")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--stage", type=int, default=18, choices=sorted(PREVIOUS))
     ap.add_argument("--report", action="store_true", help="print the table of an existing CSV")
     a = ap.parse_args()
     if a.report:
-        print(report(a.csv))
+        print(report(a.csv, a.stage))
         sys.exit(0)
-    sys.exit(measure(a.csv, {tuple(int(n) for n in h.split(",")) for h in a.heads}, a.commit))
+    sys.exit(measure(a.csv, {tuple(int(n) for n in h.split(",")) for h in a.heads}, a.commit, a.stage))
