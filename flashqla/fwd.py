@@ -8,7 +8,8 @@ pipeline with gate_free_solve.s06's blocked solve in place of s05's (both run s0
 same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
 rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value
 columns a CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA)
-at 64 and 128; with AutoCP (s18's: the plan from the host, the windows and the warm-up from Ab).
+at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags;
+s20's warm-up on warp roles and its rule).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
@@ -29,14 +30,16 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   decay reaches -10) or exact (g = 0
                                                                   heads, the bound's conditions
                                                                   broken in the previous segment)
-    gdn_fwd.s18 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
+    gdn_fwd.s20 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
                                                                   zero (Z), and for exact heads the
                                                                   previous segment's transition (M,
                                                                   the chain from I with v = 0); the
                                                                   fused kernels' math, from the
-                                                                  solve's Ab. With the plan from the
-                                                                  host, s18 is 1.07-1.56x s17 where
-                                                                  it splits (4 x H100, c585a80,
+                                                                  solve's Ab, on warp roles
+                                                                  (producer, wy, chain): 0.62-0.65x
+                                                                  s18's kernel time; s20 is
+                                                                  1.14-1.24x s18 where both split
+                                                                  (2 x H100, 9ce8cef,
                                                                   autocp_split.csv)
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
@@ -86,7 +89,7 @@ from flashqla.varlen import chunk_table, host_bounds, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
-THREADS = 128         # one warpgroup (gate_free_solve; the warm-up kernel, TileLang adds a producer)
+THREADS = 128         # one warpgroup (gate_free_solve)
 GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^T|| <= 1: A_r cannot grow
 BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel, where
                       # the CTAs fill the SMs
@@ -95,10 +98,10 @@ BLOCK = 64            # state columns per CTA of the warm-up kernel
 WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
 UNROLL = 4            # ... four at once
 MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
-PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s18's): segments
-SEGMENT_CHUNK_STEPS = 4.4              # fill two CTAs an SM; the split costs these chunk steps at
-SEGMENT_STEPS = 3.6                    # BV 64 per chunk of a segment, per segment and once
-FIXED_STEPS = 33
+PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s20's): segments
+SEGMENT_CHUNK_STEPS = 2.6              # fill two CTAs an SM (or half as many); the split costs these
+SEGMENT_STEPS = 3.8                    # chunk steps at BV 64 per chunk of a segment at one CTA an
+FIXED_STEPS = 8                        # SM, per segment and once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
@@ -133,6 +136,14 @@ REGS_WIDE_STATE = 168            # S (128 fp32 a thread)
 REGS_WIDE_VALUE = 128            # U / W / V~ / Vd (64)
 REGS_WIDE_SCORES = 192           # O (64) while Gamma (32) and P (32) of the next chunk are built
 assert REGS_PRODUCER + REGS_WIDE_STATE + REGS_WIDE_VALUE + REGS_WIDE_SCORES <= 4 * 128
+# ---- gdn_fwd.s20's warm-up kernel (AutoCP's phase 1): roles, one warpgroup each, in thread order
+# (s20's names, prefixed WARMUP_); its producer's budget is REGS_PRODUCER, its stages NUM_STAGES
+WARMUP_CHAIN_END = 1 * WARPGROUP  # [0, 128)   chain: owns S; U = K S, W, V~ = WY W, the state update
+WARMUP_WY_END = 2 * WARPGROUP     # [128, 256) wy: WY = Gamma * Ab, one chunk ahead
+WARMUP_THREADS = 3 * WARPGROUP    # [256, 384) producer: TMA loads of k, v, Ab; the gates
+REGS_WARMUP_CHAIN = 240           # S (64 fp32 a thread), U / W / Vd (32), V~ (32)
+REGS_WARMUP_WY = 160              # Gamma * Ab, 32 elements a thread (released: .dec from 168)
+assert REGS_PRODUCER + REGS_WARMUP_CHAIN + REGS_WARMUP_WY <= 3 * 168
 STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
         BLOCK_V: 1.0,            # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
         WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
@@ -346,7 +357,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     return gate_free_solve_balanced
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows and phase 1)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows)
 def windows_kernel(HV: int):
     """The T.prim_func that gives each (slot, value head) its window start and exact flag: what
     ``autocp.warmup`` gives from ``autocp.bound_violations`` (module docstring: the differences)."""
@@ -425,11 +436,13 @@ def windows_kernel(HV: int):
     return autocp_windows
 
 
+# ---- promoted from kernels/gdn_fwd/s20_lean_warmup.py (AutoCP's phase 1; roles renamed WARMUP_...)
 def warmup_kernel(H: int, HV: int):
     """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
     Grid: (V + K) / BLOCK column tiles per (slot, value head), V / BLOCK of Z, K / BLOCK of M; an M
     tile of a warm-up head, and every tile of a slot without a window, only writes its zeros."""
-    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
 
     C, K, V, BV = CHUNK_SIZE, HEAD_DIM, HEAD_DIM, BLOCK
     group = HV // H  # value head i_hv reads key head i_hv // group
@@ -438,7 +451,7 @@ def warmup_kernel(H: int, HV: int):
     num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def gdn_autocp_warmup_ab(
+    def gdn_autocp_warmup_lean(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
@@ -451,71 +464,122 @@ def warmup_kernel(H: int, HV: int):
         z: T.Tensor((num_slots, HV, K, V), "float32"),
         m: T.Tensor((num_slots, HV, K, K), "float32"),
     ):
-        with T.Kernel((V + K) // BV, HV, num_slots, threads=THREADS) as (i_t, i_hv, i_s):
+        with T.Kernel((V + K) // BV, HV, num_slots, threads=WARMUP_THREADS) as (i_t, i_hv, i_s):
             i_h = i_hv // group
             is_m = i_t >= V // BV                              # a tile of M (else of Z)
             take_m = is_m & (exact[i_s, i_hv] != 0)
             c0 = (i_t % (V // BV)) * BV                        # its columns (K = V)
             eos = slot_start[i_s]
             bos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), eos, win_start[i_s, i_hv])
-            row0 = slot_chunk[i_s] - (eos - bos) // C          # chunk row of the window's first chunk
-
-            k_s = T.alloc_shared((C, K), "bfloat16")
-            v_s = T.alloc_shared((C, BV), "bfloat16")
-            ab_s = T.alloc_shared((C, C), "bfloat16")
-            g_s = T.alloc_shared((C,), "float32")
-            s_s = T.alloc_shared((K, BV), "bfloat16")          # S in bf16, the wgmma operand
-            w_s = T.alloc_shared((C, BV), "bfloat16")
-            wy_s = T.alloc_shared((C, C), "bfloat16")
-            vd_s = T.alloc_shared((C, BV), "bfloat16")         # diag(exp(g_C - g)) V~
-            s_f = T.alloc_fragment((K, BV), "float32")         # the state S, fp32, all along
-            x_f = T.alloc_fragment((C, BV), "float32")
-            vn_f = T.alloc_fragment((C, BV), "float32")
-            keep = T.alloc_var("int32")
-
-            # S <- columns c0.. of I for M tiles of exact heads, else 0
-            for d, j in T.Parallel(K, BV):
-                s_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
-
             # the window's chunks are whole: it ends at a segment start and takes whole chunks
             # of the previous segment, all of whose chunks are full
-            for c in T.Pipelined((eos - bos) // C, num_stages=2):
-                t0 = bos + c * C
-                keep = gated[row0 + c, i_hv]
-                # K, V, Ab <- the chunk's 64-row tiles (TMA)
-                T.copy(k[t0:t0 + C, i_h, :], k_s)
-                T.copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s)
-                T.copy(ab[t0:t0 + C, i_hv, :], ab_s)
-                # g <- log2(e) g_cum
-                for i in T.Parallel(C):
-                    g_s[i] = g_cum[t0 + i, i_hv] * LOG2E
-                # WY <- Gamma * Ab on j <= i (Ab as stored for a gated chunk), 0 above
-                for i, j in T.Parallel(C, C):
-                    wy_s[i, j] = T.if_then_else(
-                        j <= i, ab_s[i, j] * T.if_then_else(keep != 0, 1.0, T.exp2(T.min(g_s[i] - g_s[j], 0))), 0)
-                # U <- K S
-                T.copy(s_f, s_s)
-                T.gemm(k_s, s_s, x_f, clear_accum=True)
-                # W <- V - diag(exp(g)) U (V read as 0 for M: v = 0)
-                for i, j in T.Parallel(C, BV):
-                    w_s[i, j] = T.if_then_else(is_m, 0.0, v_s[i, j]) - T.exp2(g_s[i]) * x_f[i, j]
-                # V~ <- WY W
-                T.gemm(wy_s, w_s, vn_f, clear_accum=True)
-                # V_d <- diag(exp(g_C - g)) V~
-                for i, j in T.Parallel(C, BV):
-                    vd_s[i, j] = vn_f[i, j] * T.exp2(g_s[C - 1] - g_s[i])
-                # S <- exp(g_C) S + K^T V_d
+            win_chunks = (eos - bos) // C
+            row0 = slot_chunk[i_s] - win_chunks                # chunk row of the window's first chunk
+
+            # tile stages (producer -> chain, wy); g holds log2(e) g_cum
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # wy
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # wy
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # chain: exp(g)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # chain: exp(g_C - g)
+            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> chain
+            # chain only: S in bf16 (the B operand of K S), W (of WY W), Vd (of K^T Vd)
+            h_s = T.alloc_shared((K, BV), "bfloat16")
+            w_s = T.alloc_shared((C, BV), "bfloat16")
+            vd_s = T.alloc_shared((C, BV), "bfloat16")
+            h_f = T.alloc_fragment((K, BV), "float32")             # the state S, fp32, all along
+            x_f = T.alloc_fragment((C, BV), "float32")             # U, then W, then Vd
+            vn_f = T.alloc_fragment((C, BV), "float32")            # V~
+            keep = T.alloc_var("int32")                            # this chunk's gated flag
+            # v_s and ab_s are read in the accumulator layout (8 rows of 128 bytes per warp access)
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
+
+            # ---- barriers; arrive counts: every thread of each arriving role arrives once
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)      # producer -> chain, wy
+            bar_tiles_empty = T.alloc_barrier([2 * WARPGROUP] * NUM_STAGES)  # chain, wy -> producer
+            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)       # wy -> chain
+            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # chain -> wy
+
+            tx = T.get_thread_binding()
+            if tx < WARMUP_CHAIN_END:  # ---- the chain warpgroup
+                T.set_max_nreg(REGS_WARMUP_CHAIN, 1)
+                # S <- columns c0.. of I for M tiles of exact heads, else 0
                 for d, j in T.Parallel(K, BV):
-                    s_f[d, j] = s_f[d, j] * T.exp2(g_s[C - 1])
-                T.gemm(k_s, vd_s, s_f, transpose_A=True)
+                    h_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    # S (fp32 registers) -> bf16: the operand of K S
+                    T.copy(h_f, h_s)
+                    # U <- K S, issued without waiting, while S <- exp(g_C) S (registers K S does
+                    # not read; the update below adds K^T Vd to it)
+                    T.wgmma_gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                    for i, j in T.Parallel(K, BV):
+                        h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
+                    T.wait_wgmma(0)
+                    # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone)
+                    for i, j in T.Parallel(C, BV):
+                        x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
+                    T.copy(x_f, w_s)
+                    # V~ <- WY W, WY from the wy warpgroup; its slot is free once this returns
+                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
+                    T.gemm(wy_s[b, :, :], w_s, vn_f, clear_accum=True)
+                    T.barrier_arrive(bar_wy_free[b])
+                    # V_d <- diag(exp(g_C - g)) V~
+                    for i, j in T.Parallel(C, BV):
+                        x_f[i, j] = vn_f[i, j] * egd_s[s, i]
+                    T.copy(x_f, vd_s)
+                    # S <- S + K^T V_d (S already decayed)
+                    T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_tiles_empty[s])
+                # Z or M tile <- S
+                if is_m:
+                    T.copy(h_f, m[i_s, i_hv, :, c0:c0 + BV])
+                else:
+                    T.copy(h_f, z[i_s, i_hv, :, c0:c0 + BV])
 
-            # Z or M tile <- S
-            if is_m:
-                T.copy(s_f, m[i_s, i_hv, :, c0:c0 + BV])
-            if i_t < V // BV:
-                T.copy(s_f, z[i_s, i_hv, :, c0:c0 + BV])
+            elif tx >= WARMUP_CHAIN_END and tx < WARMUP_WY_END:  # ---- the wy warpgroup
+                T.set_max_nreg(REGS_WARMUP_WY, 0)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    keep = gated[row0 + c, i_hv]
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_wy_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    # WY <- Gamma * Ab on j <= i (Ab as stored for a gated chunk), 0 above; the
+                    # exponent clamped at 0 so that the masked upper triangle stays finite
+                    for i, j in T.Parallel(C, C):
+                        wy_s[b, i, j] = T.if_then_else(
+                            j <= i,
+                            ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))),
+                            0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_wy_ready[b])
+                    T.barrier_arrive(bar_tiles_empty[s])
 
-    return gdn_autocp_warmup_ab
+            elif tx >= WARMUP_WY_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    t0 = bos + c * C
+                    T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
+                    T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
+                    # g <- log2(e) g_cum (whole chunks: no padding); the chain's row factors
+                    # exp(g_i) and exp(g_C - g_i) (exp(g_C) is the last of the first)
+                    for i in T.Parallel(C):
+                        g_s[s, i] = g_cum[t0 + i, i_hv] * LOG2E
+                    for i in T.Parallel(C):
+                        eg_s[s, i] = T.exp2(g_s[s, i])
+                        egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
+                    T.barrier_arrive(bar_tiles_full[s])
+
+    return gdn_autocp_warmup_lean
 
 
 # ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
@@ -553,16 +617,18 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP's rule and plan)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py and s20_lean_warmup.py (AutoCP's rule and
+# plan: s18's shortest L that fits, s20's candidates and costs)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
-    counts (host integers). Phase 3 runs lanes = 2 HV CTAs a segment (BV 64); L is the shortest
+    counts (host integers). Phase 3 runs lanes = 2 HV CTAs a segment (BV 64); L0 is the shortest
     length (at least ``autocp.MIN_SEGMENT_CHUNKS``) whose segments fit PHASE3_CTAS_PER_SM CTAs on
-    every SM, J the segments of the longest sequence. Automatic (``force`` None): split when the
-    split's cost, SEGMENT_CHUNK_STEPS L + SEGMENT_STEPS J + FIXED_STEPS, is below the unsplit
-    launch's, ``unsplit_step`` x the longest sequence (its width's step, ``WIDTHS.step``), in
-    chunk steps at BV 64. ``force``: False never splits, True splits at this L, an int is L."""
+    every SM. L0 and 2 L0 each cost, in chunk steps at BV 64,
+    SEGMENT_CHUNK_STEPS L (1 + load / 2) + SEGMENT_STEPS J + FIXED_STEPS, with J the longest
+    sequence's segments and load the phase-3 CTAs an SM. Automatic (``force`` None): the cheaper,
+    if below the unsplit launch's ``unsplit_step`` x the longest sequence (its width's step,
+    ``STEP``), else 0. ``force``: False never splits, True splits at the cheaper, an int is L."""
     longest = max(seq_chunks, default=0)
     if force is False or longest == 0:
         return 0
@@ -573,15 +639,19 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
     lanes = 2 * HV
     def fits(L):  # segments shrink in count as L grows: bisect for the shortest L that fits
         return L >= longest or lanes * sum(-(-c // L) for c in seq_chunks) <= PHASE3_CTAS_PER_SM * num_sms
-    L, hi = autocp.MIN_SEGMENT_CHUNKS, max(autocp.MIN_SEGMENT_CHUNKS, longest)
-    while L < hi:
-        mid = (L + hi) // 2
-        L, hi = (L, mid) if fits(mid) else (mid + 1, hi)
-    J = -(-longest // L)
-    if force is None and (J < 2 or SEGMENT_CHUNK_STEPS * L + SEGMENT_STEPS * J + FIXED_STEPS
-                          >= unsplit_step * longest):
-        return 0
-    return L
+    L0, hi = autocp.MIN_SEGMENT_CHUNKS, max(autocp.MIN_SEGMENT_CHUNKS, longest)
+    while L0 < hi:
+        mid = (L0 + hi) // 2
+        L0, hi = (L0, mid) if fits(mid) else (mid + 1, hi)
+    costs = []
+    for L in (L0, 2 * L0):
+        J = -(-longest // L)
+        load = lanes * sum(-(-c // L) for c in seq_chunks) / num_sms
+        if J >= 2:
+            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+    if force is True:
+        return min(costs)[1] if costs else L0
+    return min(costs + [(unsplit_step * longest, 0)])[1]
 
 
 def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):

@@ -74,7 +74,10 @@ def report(path: Path, stage: int) -> str:
 
     name = f"gdn_fwd.s{stage}"
     rows = list(csv.DictReader(open(path)))
-    Ls = sorted({int(r["L"]) for r in rows if r["impl"] == name})
+    swept = [r for r in rows if r["impl"] == name and r["L"] != ""]
+    runs = {r["commit"] for r in swept}   # the stage's sweep, and what it timed beside
+    rows = [r for r in rows if r["commit"] in runs]
+    Ls = sorted({int(r["L"]) for r in swept})
     extra = [f"{name} auto", f"gdn_fwd.s{PREVIOUS[stage]}", "FlashQLA"]
     lines = [f"{'problem':20s}" + "".join(f"{'L ' + str(L) if L else 'unsplit':>9s}" for L in Ls)
              + "".join(f"{e.replace('gdn_fwd.', ''):>10s}" for e in extra)]

@@ -90,27 +90,32 @@ def test_decision_rule_splits_where_the_measured_splits_won():
         assert splits == (speedup > 1), (what, args, f"{speedup:.2f}x", "split" if splits else "no split")
 
 
-def s18_sweep() -> dict:
-    """profiles/results/autocp_split.csv: problem label -> {L: ms} of gdn_fwd.s18 (L 0: unsplit)."""
+def split_sweep(number: int) -> dict:
+    """profiles/results/autocp_split.csv: problem label -> {L: ms} of gdn_fwd.sNN (L 0: unsplit)."""
     sweep = {}
     for r in bench.read_csv(bench.RESULTS / "autocp_split.csv"):
-        if r["impl"] == "gdn_fwd.s18" and r["ms"]:
+        if r["impl"] == f"gdn_fwd.s{number}" and r["L"] != "" and r["ms"]:
             sweep.setdefault(r["problem"], {})[int(r["L"])] = float(r["ms"])
     return sweep
 
 
-@pytest.mark.parametrize("label", list(s18_sweep()))
-def test_s18_rule_picks_a_fastest_measured_split(label):
-    """gdn_fwd.s18's rule, on every problem of its sweep (``profiles/split_lab.py``), picks the
-    fastest measured choice (split or not, and L), or one within 2 % of it (the sweep's noise)."""
+RULE_CASES = [(number, label) for number in (18, 20) for label in split_sweep(number)]
+
+
+@pytest.mark.parametrize("number, label", RULE_CASES, ids=[f"s{n}-{label}" for n, label in RULE_CASES])
+def test_rule_picks_a_fastest_measured_split(number, label):
+    """gdn_fwd.s18's and s20's rules, on every problem of their sweeps (``profiles/split_lab.py``),
+    pick the fastest measured choice (split or not, and L), or one within 2 % of it (the sweep's
+    noise)."""
     from flashqla.stages import load
 
-    mod = load("gdn_fwd", 18)
+    mod = load("gdn_fwd", number)
     _, HV, lengths = bench.heads_and_lengths(label)
     seq_chunks = [-(-n // C) for n in lengths]
-    BV = mod.PIPELINE.block_v(seq_chunks, HV, 128, 132, mod.WIDTHS.step)
-    L = mod.segment_chunks(seq_chunks, HV, 132, mod.WIDTHS.step[BV])
-    timed = s18_sweep()[label]
+    s18 = load("gdn_fwd", 18)  # s20 runs s18's widths
+    BV = s18.PIPELINE.block_v(seq_chunks, HV, 128, 132, s18.WIDTHS.step)
+    L = mod.segment_chunks(seq_chunks, HV, 132, s18.WIDTHS.step[BV])
+    timed = split_sweep(number)[label]
     assert len(timed) > 1 and L in timed and timed[L] <= 1.02 * min(timed.values()), (L, timed)
 
 
@@ -654,14 +659,16 @@ def test_s18_captures_without_an_eager_call():
             assert a <= TOLERANCE_FACTOR * max(b, ROUNDING_FLOOR), (h, a, b)
 
 
-@pytest.mark.parametrize("constant, value", [("PHASE3_CTAS_PER_SM", 1), ("FIXED_STEPS", 0)])
-def test_s18_rule_check_catches_a_wrong_rule(constant, value, monkeypatch):
-    """The check above fails for a rule that fills one CTA an SM (L = 64 on (2, 8) 1 x 32768: 0.78
-    ms against 0.56 at L = 32) or forgets the fixed cost (splits 1 x 8192, which lost)."""
+@pytest.mark.parametrize("number, constant, value", [(18, "PHASE3_CTAS_PER_SM", 1), (18, "FIXED_STEPS", 0),
+                                                     (20, "SEGMENT_STEPS", 0), (20, "SEGMENT_CHUNK_STEPS", 3.2)])
+def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
+    """The check above fails for an s18 rule that fills one CTA an SM (L = 64 on (2, 8) 1 x 32768:
+    0.78 ms against 0.56 at L = 32) or forgets the fixed cost (splits 1 x 8192, which lost), and
+    for an s20 rule that forgets phase 2's cost per segment (L = 8 on (2, 8) 1 x 8192: 0.27 ms
+    against 0.23 at L = 16) or overprices a chunk (no split there)."""
     from flashqla.stages import load
 
-    mod = load("gdn_fwd", 18)
-    monkeypatch.setattr(mod, constant, value)
+    monkeypatch.setattr(load("gdn_fwd", number), constant, value)
     with pytest.raises(AssertionError):
-        for label in s18_sweep():
-            test_s18_rule_picks_a_fastest_measured_split(label)
+        for label in split_sweep(number):
+            test_rule_picks_a_fastest_measured_split(number, label)

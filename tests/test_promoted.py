@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s18) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s20) gives."""
 
 import sys
 
@@ -17,7 +17,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
-    (fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
+    (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
+    (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (2, 8)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
@@ -87,14 +88,14 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s18's rule, forced or decided."""
-    s18 = load("gdn_fwd", 18)
+    """AutoCP's split per launch is gdn_fwd.s20's rule, forced or decided."""
+    s20 = load("gdn_fwd", 20)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s18.segment_chunks(chunks, hv, sms, step, force)
-    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 32, 64}
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s20.segment_chunks(chunks, hv, sms, step, force)
+    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
 
 
 def test_a_changed_kernel_is_caught():
@@ -107,11 +108,13 @@ def test_a_changed_kernel_is_caught():
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
-    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 18), "warmup_kernel", (16, 32)),
+    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
+    (fwd, "REGS_WARMUP_CHAIN", 232, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.BLOCK", "bwd.STAGES",
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.BLOCK",
+        "fwd.REGS_WARMUP_CHAIN", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -161,9 +164,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s18's kernels in s18's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s20's kernels in s20's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 18).forward(**x, cp=cp)
+    want = load("gdn_fwd", 20).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -61,11 +61,14 @@ REGS_WY = 160                # Gamma * Ab, 32 elements a thread (released: .dec 
 assert REGS_PRODUCER + REGS_CHAIN + REGS_WY <= 3 * 168
 NUM_STAGES = 2               # tile stages: the producer fills chunk c + 2 once chunk c is consumed
 NUM_HANDOFF = 2              # WY slots: chunk c + 1's is built while the chain reads chunk c's
-# the rule's costs, in chunk steps of phase 3 at BV 64 (s18's names): per chunk of a segment
-# (phases 1 and 3), per segment (phase 2's matmul a boundary), once (windows, launches)
-SEGMENT_CHUNK_STEPS = 4.4
-SEGMENT_STEPS = 3.6
-FIXED_STEPS = 33
+# the rule's costs (``segment_chunks``), in chunk steps of phase 3 at BV 64 (about 2.1 us on an
+# H100): per chunk of a segment at one CTA an SM (phases 1 and 3), per segment (phase 2's matmul a
+# boundary), once (windows, launches); fitted to the sweep (``profiles/split_lab.py --stage 20``):
+# a point of a grid search where the rule picks a fastest measured split on every problem, as it
+# does at 124 of the 125 grid points within +-0.1, +-0.4 and +-4 of it
+SEGMENT_CHUNK_STEPS = 2.6
+SEGMENT_STEPS = 3.8
+FIXED_STEPS = 8
 LOG2E = 1.4426950408889634
 DEFAULT_SHAPE = dict(H=16, HV=32)       # a Qwen3.5 GDN layer (35B, 9B, 4B at TP1)
 
@@ -228,17 +231,31 @@ def kernel_source() -> str:
 
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
-    """s18's rule (``PIPELINE.segment_chunks``: the shortest L whose segments fill two phase-3
-    CTAs an SM) with this stage's costs: split when SEGMENT_CHUNK_STEPS L + SEGMENT_STEPS J +
-    FIXED_STEPS is below ``unsplit_step`` x the longest sequence, in chunk steps at BV 64."""
-    L = PIPELINE.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, True if force is None else force)
-    if force is not None or not L:
-        return L
-    longest = max(seq_chunks)
-    J = -(-longest // L)
-    if J < 2 or SEGMENT_CHUNK_STEPS * L + SEGMENT_STEPS * J + FIXED_STEPS >= unsplit_step * longest:
+    """The decision rule, s18's with this stage's costs and one more candidate: L0 is s18's L
+    (``PIPELINE.segment_chunks``: the shortest whose segments fit two phase-3 CTAs an SM); L0 and
+    2 L0 each cost, in chunk steps at BV 64,
+
+        SEGMENT_CHUNK_STEPS L (1 + load / 2) + SEGMENT_STEPS J + FIXED_STEPS
+
+    with J the longest sequence's segments and load the phase-3 CTAs an SM (2 HV a segment): a
+    chunk of phases 1 and 3 takes longer where their CTAs share SMs. Automatic (``force`` None):
+    the cheaper, if below the unsplit launch's ``unsplit_step`` x the longest sequence, else 0.
+    ``force``: False never splits, True splits at the cheaper, an int is L."""
+    if force is not None and force is not True:
+        return PIPELINE.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force)
+    L0 = PIPELINE.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, True)
+    if not L0:
         return 0
-    return L
+    longest = max(seq_chunks)
+    costs = []
+    for L in (L0, 2 * L0):
+        J = -(-longest // L)
+        load = 2 * HV * sum(-(-c // L) for c in seq_chunks) / num_sms
+        if J >= 2:
+            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+    if force is True:
+        return min(costs)[1] if costs else L0
+    return min(costs + [(unsplit_step * longest, 0)])[1]
 
 
 def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
