@@ -27,6 +27,37 @@ Why: on 4 x H100 (commit d8516c1, ``torch.profiler`` device times), s18's warm-u
 (``prepare_h``) took 156 and 294 us; its fused kernel and ours (phase 3) took the same time
 (107 against 112 us, 223 against 224).
 
+Measured effect (GPU tests passed on 2 x H100 at commit 9ce8cef: Z and M bit for bit s18's over
+every window kind, CP on against CP off, the flags, public shapes):
+
+- the warm-up kernel alone (``torch.profiler``, same process): 0.62-0.68x s18's time: 232 -> 150
+  us on (2, 8) 1 x 32768 at L 32 (4.7 us a chunk), 418 -> 260 on (16, 16) 1 x 32768 at L 64,
+  108 -> 68 and 130 -> 88 on (2, 8) and (16, 16) 1 x 8192 at L 16. A chunk still costs more
+  than in phase 3 (3.3 us at two CTAs an SM): not profiled yet.
+- the split sweep (``profiles/split_lab.py --stage 20`` -> ``results/autocp_split.csv``, 2 x
+  H100, 9ce8cef, CUDA-graph replay), ms:
+
+      problem              s20 at its L       s18 (its rule)   FlashQLA
+      (2, 8) 1x32768       0.483 (L 32)       0.563            0.407
+      (2, 8) 28672+4096    0.475 (L 32)       0.558            0.395
+      (2, 8) 1x8192        0.229 (L 16)       0.274 (unsplit)  0.163
+      (4, 16) 1x32768      0.694 (L 64)       0.856            0.682
+      (4, 16) 28672+4096   0.700 (L 64)       0.860            0.701
+      (16, 16) 1x32768     0.769 (L 64)       0.937            0.689
+      (16, 16) 28672+4096  0.780 (L 64)       0.949            0.734
+      1 x 8192 of (4, 16) and (16, 16), 1 x 2048, 1 x 32768 of (8, 32) and (16, 32): no split
+      wins by more than 1 % (unsplit as s18)
+
+  1.16-1.23x s18 where they split; (2, 8) 1 x 8192 now splits (1.19x its unsplit launch).
+- The rule: s18's L alone no longer is the fastest: on (2, 8) 1 x 8192 it gives L 8 (0.271 ms;
+  phase 2's 15 matmuls), where L 16 takes 0.229. So the rule prices L0 and 2 L0, and a chunk
+  by how many phase-3 CTAs share an SM (the (16, 16) 1 x 8192 split at L 16, with two a SM,
+  loses where (2, 8)'s, with one, wins). ``tests/test_autocp.py`` checks that it picks a fastest
+  measured choice (within 2 %) on all 12 problems of the sweep.
+- Promoted (the warm-up kernel and the rule, ``flashqla/fwd.py``): the API on 2 x H100 (commit
+  7310763, the benchmark's 7 problems whose split changed, every row in one process) is 1.19-1.28x
+  s18 and 0.74-1.03x FlashQLA there ((4, 16) 28672+4096: 1.03x; (2, 8) 1x8192: 0.74x, was 0.64x).
+
 Taught in: notebooks/05_autocp.py
 """
 
