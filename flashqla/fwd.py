@@ -3,9 +3,9 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s18's
-pipeline with gate_free_solve.s06's blocked solve in place of s05's (both run s02's operations: the
-same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s20's
+pipeline (s18's, with AutoCP's phase 1 on warp roles) with gate_free_solve.s06's blocked solve in
+place of s05's (both run s02's operations: the same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
 rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value
 columns a CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA)
 at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags;
@@ -36,9 +36,9 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   the chain from I with v = 0); the
                                                                   fused kernels' math, from the
                                                                   solve's Ab, on warp roles
-                                                                  (producer, wy, chain): 0.62-0.65x
+                                                                  (producer, wy, chain): 0.62-0.68x
                                                                   s18's kernel time; s20 is
-                                                                  1.14-1.24x s18 where both split
+                                                                  1.17-1.23x s18 where both split
                                                                   (2 x H100, 9ce8cef,
                                                                   autocp_split.csv)
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain

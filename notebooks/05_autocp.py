@@ -305,7 +305,8 @@ print(inspect.getsource(s06.forward))
 # interface. `gdn_fwd.s13` runs s12's kernel, which picks its value columns per CTA by launch
 # (section 6). s15 and s17 keep s13's plan and choose the fused kernel's width from the sequence
 # lengths (chapter 4). s18 (section 7) keeps s17's kernels and rebuilds everything before phase 3;
-# the library's forward (`flashqla/fwd.py`) is s18's.
+# s20 (section 8) runs s18's phase 1 on warp roles; the library's forward (`flashqla/fwd.py`) is
+# s20's.
 
 # %%
 print(load("gdn_fwd", 8).__doc__.strip().splitlines()[0])
@@ -486,10 +487,18 @@ print(inspect.getsource(s18.windows_kernel))
 # the sweep.
 
 # %%
-split_rows = bench.read_csv(RESULTS / "autocp_split.csv")
-sweep = {}
-for r in split_rows:
-    sweep.setdefault(r["problem"], {})[(r["impl"], r["L"])] = float(r["ms"])
+def split_sweep(stage):
+    """problem -> {(impl, L): ms} of the run of ``profiles/split_lab.py`` that swept this stage."""
+    rows = bench.read_csv(RESULTS / "autocp_split.csv")
+    runs = {r["commit"] for r in rows if r["impl"] == stage and r["L"] != ""}
+    sweep = {}
+    for r in rows:
+        if r["commit"] in runs:
+            sweep.setdefault(r["problem"], {})[(r["impl"], r["L"])] = float(r["ms"])
+    return sweep
+
+
+sweep = split_sweep("gdn_fwd.s18")
 labels = [p for p in sweep if any(k[0] == "gdn_fwd.s18" and k[1] not in ("", "0") for k in sweep[p])]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
 for ax, heads in zip(axes, ("(2, 8)", "(4, 16)", "(16, 16)")):
@@ -523,3 +532,65 @@ for label in sweep:
 # matmuls of about 8 us each, launch-bound (136 us for J = 16; FlashQLA's correction is one 56 us
 # kernel), and phase 1 runs its chain with no overlap between its three products. One kernel for the
 # whole chaining, and phase 1 with the fused kernel's warp roles, are the next steps.
+
+# %% [markdown]
+# ## 8. Phase 1 on warp roles: `gdn_fwd.s20`
+#
+# With the bookkeeping gone, where does s18's split spend its time? Per kernel (`torch.profiler`,
+# 4 x H100, commit d8516c1), the library forward on (2, 8) 1 x 32768 took 533 us of device time:
+# the warm-up kernel 231, phase 3's fused kernel 107, phase 2's 15 batched matmuls and their copies
+# 120, the solve 54. FlashQLA's forward took 391: its `prepare_h` (its phase 1) 156, its fused
+# kernel 112, its one-kernel correction 55, its solve 59. On (4, 16) and (16, 16) at 32768 tokens,
+# our warm-up took 420 us against FlashQLA's 294, with the fused kernels again level (223 against
+# 224). So phase 1 was the largest gap: 7.2 us a chunk of a window, where phase 3, which does more
+# per chunk, takes about 3.3.
+#
+# s18's warm-up kernel did everything in one warpgroup (plus the producer that TileLang adds):
+# each chunk it read $g$ and the `gated` flag from global memory, built $\Gamma \odot A_b$ (64 x 64
+# exponentials), then ran the three products, each waiting for the one before. s20 gives it the
+# fused kernels' roles (chapter 3's s05, s10):
+#
+# | warpgroup | per chunk | hands over |
+# |---|---|---|
+# | producer | TMA loads of $K$, $V$, $A_b$ into two stages; $g$, $e^{g}$, $e^{g_C - g}$ (64 exponentials) | `bar_tiles_full` |
+# | wy | $WY = \Gamma \odot A_b$, a chunk ahead of the chain | `bar_wy_ready` / `bar_wy_free` |
+# | chain | $U = K S$, $W = V - \mathrm{diag}(e^{g}) U$, $	ilde V = WY\,W$, $S \leftarrow e^{g_C} S + K^\top \mathrm{diag}(e^{g_C - g}) \tilde V$ | `bar_tiles_empty` |
+#
+# The operations and their order are s18's, so $Z$ and $M$ come out bit for bit the same (a GPU
+# test checks every kind of window). Only the waiting moved off the chain's path.
+
+# %%
+s20 = load("gdn_fwd", 20)
+print(inspect.getsource(s20.warmup_kernel))
+
+# %% [markdown]
+# The warm-up kernel alone now takes 0.62-0.68x s18's (232 -> 150 us on (2, 8) 1 x 32768 at
+# L = 32; the stage's docstring has the rest). A cheaper chunk of a segment moves the best split:
+# `profiles/split_lab.py --stage 20` swept s20 (2 x H100, commit 9ce8cef). s18's length (the
+# shortest that fills two phase-3 CTAs an SM) is still the best on the long problems, but on
+# (2, 8) 1 x 8192 it is L = 8, whose 15 phase-2 matmuls cost more than the shorter chain saves;
+# L = 16 wins there. s20's rule prices both L0 and 2 L0: SEGMENT_CHUNK_STEPS L (1 + load / 2) +
+# SEGMENT_STEPS J + FIXED_STEPS, where load is the phase-3 CTAs an SM (a chunk costs more when two
+# share an SM: on (16, 16) 1 x 8192 the same L = 16 split loses). The constants came from a grid
+# search over this sweep.
+
+# %%
+sweep20 = split_sweep("gdn_fwd.s20")
+print(f"{'problem':22s} {'unsplit':>8s} {'s20 rule':>12s} {'s18 rule':>9s} {'FlashQLA':>9s}")
+for label, t in sweep20.items():
+    _, hv, lens = bench.heads_and_lengths(label)
+    chunks = [-(-n // C) for n in lens]
+    L = s20.segment_chunks(chunks, hv, 132, s18.WIDTHS.step[s18.PIPELINE.block_v(chunks, hv, 128, 132, s18.WIDTHS.step)])
+    mine, prev = t["gdn_fwd.s20", str(L)], t["gdn_fwd.s18", ""]
+    print(f"{bench.short_label(label):22s} {t['gdn_fwd.s20', '0']:8.3f} {mine:6.3f} L{L:<3d} {prev:9.3f} {t['FlashQLA', '']:9.3f}")
+    assert mine <= 1.02 * min(v for k, v in t.items() if k[0] == "gdn_fwd.s20")   # the rule's choice
+    if L:
+        assert prev / mine >= 1.15, (label, prev, mine)                            # where it splits
+
+# %% [markdown]
+# Where it splits, s20 is 1.17-1.23x s18, and it splits (2, 8) 1 x 8192, 1.19x its unsplit launch.
+# In the benchmark (2 x H100, commit 7310763, the 7 problems whose split changed) the API on s20 is
+# 1.19-1.28x s18 and 0.86-1.03x FlashQLA from 32768 tokens (faster on (4, 16) 28672 + 4096; was
+# 0.71-0.83x), 0.74x on (2, 8) 1 x 8192 (was 0.64x). What is left: phase 2 (about 6 us a segment
+# boundary plus a copy, where FlashQLA chains in one kernel), and a warm-up chunk that still costs
+# 4.7 us against phase 3's 3.3, not yet profiled.

@@ -48,7 +48,7 @@ every window kind, CP on against CP off, the flags, public shapes):
       1 x 8192 of (4, 16) and (16, 16), 1 x 2048, 1 x 32768 of (8, 32) and (16, 32): no split
       wins by more than 1 % (unsplit as s18)
 
-  1.16-1.23x s18 where they split; (2, 8) 1 x 8192 now splits (1.19x its unsplit launch).
+  1.17-1.23x s18 where both split; (2, 8) 1 x 8192 now splits (1.19x its unsplit launch).
 - The rule: s18's L alone no longer is the fastest: on (2, 8) 1 x 8192 it gives L 8 (0.271 ms;
   phase 2's 15 matmuls), where L 16 takes 0.229. So the rule prices L0 and 2 L0, and a chunk
   by how many phase-3 CTAs share an SM (the (16, 16) 1 x 8192 split at L 16, with two a SM,
