@@ -594,3 +594,23 @@ for label, t in sweep20.items():
 # 0.71-0.83x), 0.74x on (2, 8) 1 x 8192 (was 0.64x). What is left: phase 2 (about 6 us a segment
 # boundary plus a copy, where FlashQLA chains in one kernel), and a warm-up chunk that still costs
 # 4.7 us against phase 3's 3.3, not yet profiled.
+
+# %% [markdown]
+# ## 9. Phase 2 in one kernel: `gdn_fwd.s21`
+#
+# With phase 1 cheaper, phase 2 is the next piece: $J - 1$ batched matmuls in fp32 (and a copy of
+# $Z_j$ before each), about 120 us at $J = 16$. s21 chains in one launch: a CTA walks the $J$
+# segments of one (sequence, head, 8 state columns); $M_{j+1}$ does not depend on $h$, so TileLang's
+# pipeline loads it by TMA while $M_j$ multiplies (fp32 on the CUDA cores: tensor cores would round
+# $M$ to tf32, and an exact head's error is never decayed away). A warm-up head's $M_j$ is zero,
+# so its $h_j$ is $Z_j$.
+
+# %%
+s21 = load("gdn_fwd", 21)
+print(inspect.getsource(s21.chain_kernel))
+
+# %% [markdown]
+# On one H100 (the stage's docstring) phase 2 took 38 us on (2, 8) 1 x 32768 instead of 122, and
+# s21 was 1.04-1.20x s20 where it splits, 1.03x FlashQLA on (2, 8) 1 x 32768. Its rule is still
+# s20's, fitted with the matmuls: with phase 2 this cheap, 1 x 8192 of (4, 16) and (16, 16) gain
+# from a split too. A new sweep and a refit come before it is promoted.

@@ -12,10 +12,37 @@ two-stage pipeline (M_{j+1} is loaded while M_j multiplies: M does not depend on
 product on the CUDA cores in fp32, the precision of the matmuls it replaces (tensor cores would
 round M to tf32). A warm-up head's M_j is zero (phase 1 writes it), so its h_j is Z_j.
 
-An earlier draft of this idea (branch ``wip/chain``'s s19, on s18) loaded M_j synchronously each
-step and gained 1.02-1.07x; its output differed from s18's by 1.4e-3 (relative L2), unexplained,
-while both passed the float64 check. Its GPU tests here compare the kernel with the batched
-matmuls to fp32 rounding.
+TileLang warp-specializes the loop by itself: a producer warpgroup issues M_j's TMA load into one
+of two stages, 256 consumer threads hold 4 state elements each. M's shared buffer is swizzled: a
+warp reads one column of 16 rows per step of the product, which unswizzled 512-byte rows put in
+one bank. An earlier draft of this idea (branch ``wip/chain``'s s19, on s18) loaded M_j
+synchronously each step into a padded buffer and gained 1.02-1.07x.
+
+Measured effect (one H100, commit 0d79784; its GPU tests passed there: the chaining against the
+batched matmuls (below 1e-5) and no farther from a float64 chaining than they are, CP on against CP
+off head by head, the flags, public shapes; timings by ``flashqla.bench.time_row``, CUDA-graph
+replay, from a timing script outside the labs, s20 and FlashQLA in the same process), ms:
+
+    problem            s21 (s20's rule)  s20     FlashQLA   s21 at another L
+    (2, 8) 1x32768     0.383 (L 32)      0.461   0.393      L 16: 0.449
+    (2, 8) 1x8192      0.195 (L 16)      0.234   0.170      L 8: 0.187
+    (4, 16) 1x32768    0.669 (L 64)      0.706   0.668      L 32: 0.737
+    (16, 16) 1x32768   0.738 (L 64)      0.768   0.694      L 32: 0.801
+    (4, 16) 1x8192     0.279 (unsplit)   0.279   0.219      L 16: 0.249
+    (16, 16) 1x8192    0.302 (unsplit)   0.301   0.233      L 16: 0.287
+
+1.04-1.20x s20 where it splits; the first of our forwards faster than FlashQLA on (2, 8) 1 x 32768
+(1.03x). Per kernel (``torch.profiler``, (2, 8) 1 x 32768 at L 32): phase 2 takes 38 us in one
+launch (s20: 95 us in 15 matmuls plus 27 in 16 copies). With phase 2 this cheap, s20's rule
+(fitted with the matmuls) no longer picks the best split on 1 x 8192: L 16 is 1.12x and 1.05x
+the unsplit launch on (4, 16) and (16, 16), and L 8 beats L 16 on (2, 8). A sweep
+(``profiles/split_lab.py --stage 21``) and a refit are the next step; not promoted yet.
+
+In doubt: o and the final state differ from s20's by 0.5-1.5e-3 (relative L2), as s19's did from
+s18's. The chaining itself agrees with the matmuls to 1e-5, so the likely cause is bf16
+rounding downstream: phase 3 rounds S to bf16 every chunk, and on exact (g = 0) heads a flipped
+rounding is never decayed away. Both forwards pass the float64 check head by head; the cause is
+not proven.
 
 Taught in: notebooks/05_autocp.py
 """
