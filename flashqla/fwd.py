@@ -72,7 +72,7 @@ tensor that the API's validation makes (``flashqla.varlen.host_bounds``), which 
 kernel width. Inside a CUDA-graph capture with no eager call before it, the plan is built on the
 device. Without a split the fused kernel walks whole sequences. With one, the windows kernel
 decides each (segment, head)'s window, the warm-up kernel runs the chain over it (Z; and M for
-exact heads), a batched matmul per segment chains h_j = Z_j + M_j h_{j-1}, and the fused kernel
+exact heads), one kernel chains h_j = Z_j + M_j h_{j-1} over the segments, and the fused kernel
 walks all segments at once, each from its h_j, reading ``gated`` at its first chunk's row of the
 whole sequences' chunk table (``Plan.first_chunk``). Each kernel launch is in an NVTX range
 ``fwd.<kernel>``.
@@ -98,6 +98,9 @@ BLOCK = 64            # state columns per CTA of the warm-up kernel
 WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
 UNROLL = 4            # ... four at once
 MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
+CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21): state columns per CTA, V / 8 per (sequence, head)
+CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
+CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
 PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s20's): segments
 SEGMENT_CHUNK_STEPS = 2.6              # fill two CTAs an SM (or half as many); the split costs these
 SEGMENT_STEPS = 3.8                    # chunk steps at BV 64 per chunk of a segment at one CTA an
@@ -580,6 +583,51 @@ def warmup_kernel(H: int, HV: int):
                     T.barrier_arrive(bar_tiles_full[s])
 
     return gdn_autocp_warmup_lean
+
+
+# ---- promoted from kernels/gdn_fwd/s21_one_kernel_chaining.py (AutoCP's phase 2)
+def chain_kernel(HV: int):
+    """The T.prim_func of phase 2 for HV value heads: ``autocp.segment_initial_states``' h of every
+    slot, [J N, HV, K, V], from h0 [N, HV, K, V] and phase 1's Z [J N, HV, K, V], M [J N, HV, K, K]."""
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
+
+    K, V, BC = HEAD_DIM, HEAD_DIM, CHAIN_COLUMNS
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def autocp_chain(
+        h0: T.Tensor((num_seqs, HV, K, V), "float32"),
+        z: T.Tensor((num_slots, HV, K, V), "float32"),         # slot j N + n: segment j of sequence n
+        m: T.Tensor((num_slots, HV, K, K), "float32"),         # zero for a warm-up head
+        hs: T.Tensor((num_slots, HV, K, V), "float32"),        # each slot's initial state
+    ):
+        with T.Kernel(V // BC, HV, num_seqs, threads=CHAIN_THREADS) as (i_c, i_hv, i_n):
+            c0 = i_c * BC
+            m_s = T.alloc_shared((K, K), "float32")
+            h_s = T.alloc_shared((K, BC), "float32")
+            h_f = T.alloc_fragment((K, BC), "float32")
+            # M's rows swizzled: a warp reads one column of 16 rows at once (unswizzled, 512-byte
+            # rows put them all in one bank)
+            T.annotate_layout({m_s: tilelang.layout.make_swizzled_layout(m_s)})
+
+            # h_0 <- the sequence's initial state
+            T.copy(h0[i_n, i_hv, :, c0:c0 + BC], h_f)
+            T.copy(h_f, hs[i_n, i_hv, :, c0:c0 + BC])
+            for j in T.Pipelined(num_slots // num_seqs - 1, num_stages=CHAIN_STAGES):
+                s = (j + 1) * num_seqs + i_n
+                # M_j (its load is issued CHAIN_STAGES - 1 steps ahead: it does not read h)
+                T.copy(m[s, i_hv, :, :], m_s)
+                # h_j <- Z_j + M_j h_{j-1}
+                T.copy(h_f, h_s)
+                T.copy(z[s, i_hv, :, c0:c0 + BC], h_f)
+                for e in T.serial(K):
+                    for r, c in T.Parallel(K, BC):
+                        h_f[r, c] = h_f[r, c] + m_s[r, e] * h_s[e, c]
+                T.copy(h_f, hs[s, i_hv, :, c0:c0 + BC])
+
+    return autocp_chain
 
 
 # ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
@@ -1167,8 +1215,11 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         with nvtx_range("fwd.autocp_warmup"):
             _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
                                             p.slot_chunk, exact, z, m)
-        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row
-        h0 = autocp.segment_initial_states(p, h0, z, m)
+        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every slot, then of every segment row
+        hs = torch.empty_like(z)
+        with nvtx_range("fwd.autocp_chain"):
+            _compiled(chain_kernel, HV)(h0, z, m, hs)
+        h0 = hs.index_select(0, p.slot_of_segment)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths

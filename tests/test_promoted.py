@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s20) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s21) gives."""
 
 import sys
 
@@ -19,6 +19,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
     (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (2, 8)),
+    (fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
@@ -35,7 +36,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
 # per kernel, each taking (H, HV) (the walk's BV is the stage's); gdn_fwd.s18's windows kernel
 # takes (HV,)
 STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish",
-                 "windows_kernel": "_windows"}
+                 "windows_kernel": "_windows", "chain_kernel": "_chain"}
 IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, shape in PROMOTED]
 
 
@@ -110,11 +111,12 @@ def test_a_changed_kernel_is_caught():
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
     (fwd, "REGS_WARMUP_CHAIN", 232, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
+    (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
 ], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.BLOCK",
-        "fwd.REGS_WARMUP_CHAIN", "bwd.STAGES",
+        "fwd.REGS_WARMUP_CHAIN", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -164,9 +166,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s20's kernels in s20's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s21's kernels in s21's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 20).forward(**x, cp=cp)
+    want = load("gdn_fwd", 21).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
