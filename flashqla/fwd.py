@@ -5,11 +5,11 @@ installed) into the library; ``tests/test_promoted.py`` asserts that every kerne
 same TileLang program as the stage it came from, and is compiled with the same options, so the
 library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s18's
 pipeline with gate_free_solve.s06's blocked solve in place of s05's (both run s02's operations: the
-same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule): s12's (s07's reformulated,
-warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA, s16's (the chain split
-over a state and a value warpgroup, s14, with O stored by TMA) at 64 and 128; with AutoCP (s18's:
-the plan from the host, the windows and the warm-up from Ab). Its kernels (measurements from each
-stage's docstring and ``profiles/results/``; H200 unless said):
+same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
+rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value
+columns a CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA)
+at 64 and 128; with AutoCP (s18's: the plan from the host, the windows and the warm-up from Ab).
+Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
     gate_free_solve.s06      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
