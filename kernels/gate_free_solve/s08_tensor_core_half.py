@@ -1,5 +1,4 @@
-"""gate_free_solve, stage 08 (DRAFT, not yet run on a GPU): s06 with the inverse's lower-left
-half on the tensor cores.
+"""gate_free_solve, stage 08: s06 with the inverse's lower-left half on the tensor cores.
 
 What it computes: ``flashqla.reference.gate_free_solve`` (Ab and the ``gated`` flags), no longer bit
 for bit s02's: the 32 x 32 lower-left half of each inverse is two tf32 products.
@@ -17,7 +16,15 @@ Precision (float64 emulation, ``.diag/next/tf32emu.py``: normalized random keys,
 the tf32 half adds 1.5e-4 to 2.9e-4 relative L2 to Ab, against 1.6e-3 to 1.9e-3 for Ab's bf16
 store. A CTA with a flagged head runs s06's fp32 path unchanged.
 
-Measured effect: not yet (no GPU time left in the session that wrote it).
+Measured effect (``profiles/solve_lab.py`` -> ``profiles/results/solve.csv``, 4 x H100, commit
+d8516c1, CUDA-graph replay, beside s02-s07 and FlashQLA's kkt_solve; its GPU tests passed there:
+the flags and flagged partial chunks with strong decay against the float64 reference, public
+shapes): faster than s06 only where a CTA holds one or two value heads: 0.83-0.85x s06's time on
+(16, 32) (1.14-1.15x FlashQLA's speed, where s06 is 0.96-0.97x) and 0.93-0.94x on (16, 16) (still
+0.82x FlashQLA's); slower with three or four, 1.02-1.16x s06's time. Nsight Compute on (16, 64)
+1 x 8192 (four heads a CTA): 112 us against s06's 98, 71 KiB of shared memory (three CTAs an SM,
+occupancy 18 %), ``short_scoreboard`` stalls first (3.02), then ``long_scoreboard`` (2.09). Not
+promoted: a solve chosen by heads a CTA (s08 at one or two, s06 at three or four) is the next step.
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """
