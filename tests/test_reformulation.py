@@ -95,7 +95,7 @@ def test_s04_on_adversarial_inputs(kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("solve_stage", [1, 2, 3, 4, 5, 6, 7], ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07"])
+@pytest.mark.parametrize("solve_stage", [1, 2, 3, 4, 5, 6, 7, 8], ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07", "s08"])
 def test_gate_free_solve_flags_exactly_the_chunks_past_the_bound(solve_stage):
     x = adversarial_inputs("unnormalized_keys")
     k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
@@ -126,8 +126,8 @@ def test_solve_stages_give_s02s_bits(solve_stage, kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("solve_stage, forward_stage", [(1, 8), (2, 11), (3, None), (4, None), (5, None), (6, None), (7, None)],
-                         ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07"])
+@pytest.mark.parametrize("solve_stage, forward_stage", [(1, 8), (2, 11), (3, None), (4, None), (5, None), (6, None), (7, None), (8, None)],
+                         ids=["s01", "s02", "s03", "s04", "s05", "s06", "s07", "s08"])
 def test_flagged_partial_chunk_with_strong_decay(solve_stage, forward_stage):
     """Flagged (gated) heads whose chunks end early and decay strongly: past a sequence's end g_cum
     is padded with 0, so exp2(g_i - g_j) on those rows overflows (36 and 37 rows at -3 to -4 a
