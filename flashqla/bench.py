@@ -518,6 +518,19 @@ def autocp_splits_timed(rows: list[dict]) -> list[tuple[str, str, float, float]]
             if (label, cp) in ms and abs(ms[label, chain] / ms[label, cp] - 1) > 0.08]
 
 
+def split_sweep(stage: str, path: Path | None = None) -> dict:
+    """The run of ``profiles/split_lab.py`` that swept ``stage`` (e.g. "gdn_fwd.s20") in
+    ``path`` (default ``results/autocp_split.csv``): problem label -> {(impl, L): ms} over every row
+    of that run (the stage at each forced L, L "0" unsplit; the rule and the peers with L "")."""
+    rows = read_csv(path or RESULTS / "autocp_split.csv")
+    runs = {r["commit"] for r in rows if r["impl"] == stage and r["L"] != ""}
+    sweep = {}
+    for r in rows:
+        if r["commit"] in runs and r["ms"]:
+            sweep.setdefault(r["problem"], {})[r["impl"], r["L"]] = float(r["ms"])
+    return sweep
+
+
 def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:
     """The CSV after a run over some problems: their old rows replaced, other problems' rows kept."""
     done = {r["problem"] for r in new}

@@ -487,18 +487,7 @@ print(inspect.getsource(s18.windows_kernel))
 # the sweep.
 
 # %%
-def split_sweep(stage):
-    """problem -> {(impl, L): ms} of the run of ``profiles/split_lab.py`` that swept this stage."""
-    rows = bench.read_csv(RESULTS / "autocp_split.csv")
-    runs = {r["commit"] for r in rows if r["impl"] == stage and r["L"] != ""}
-    sweep = {}
-    for r in rows:
-        if r["commit"] in runs:
-            sweep.setdefault(r["problem"], {})[(r["impl"], r["L"])] = float(r["ms"])
-    return sweep
-
-
-sweep = split_sweep("gdn_fwd.s18")
+sweep = bench.split_sweep("gdn_fwd.s18")
 labels = [p for p in sweep if any(k[0] == "gdn_fwd.s18" and k[1] not in ("", "0") for k in sweep[p])]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
 for ax, heads in zip(axes, ("(2, 8)", "(4, 16)", "(16, 16)")):
@@ -575,7 +564,7 @@ print(inspect.getsource(s20.warmup_kernel))
 # search over this sweep.
 
 # %%
-sweep20 = split_sweep("gdn_fwd.s20")
+sweep20 = bench.split_sweep("gdn_fwd.s20")
 print(f"{'problem':22s} {'unsplit':>8s} {'s20 rule':>12s} {'s18 rule':>9s} {'FlashQLA':>9s}")
 for label, t in sweep20.items():
     _, hv, lens = bench.heads_and_lengths(label)

@@ -70,22 +70,18 @@ def measure(out: Path, heads, commit: str, stage: int) -> int:
 def report(path: Path, stage: int) -> str:
     """Per problem: ms of the stage at each L (0: unsplit), its rule's choice, the stage before it
     and FlashQLA."""
-    from flashqla.bench import short_label
+    from flashqla.bench import short_label, split_sweep
 
     name = f"gdn_fwd.s{stage}"
-    rows = list(csv.DictReader(open(path)))
-    swept = [r for r in rows if r["impl"] == name and r["L"] != ""]
-    runs = {r["commit"] for r in swept}   # the stage's sweep, and what it timed beside
-    rows = [r for r in rows if r["commit"] in runs]
-    Ls = sorted({int(r["L"]) for r in swept})
+    sweep = split_sweep(name, path)
+    Ls = sorted({int(L) for t in sweep.values() for impl, L in t if impl == name and L != ""})
     extra = [f"{name} auto", f"gdn_fwd.s{PREVIOUS[stage]}", "FlashQLA"]
     lines = [f"{'problem':20s}" + "".join(f"{'L ' + str(L) if L else 'unsplit':>9s}" for L in Ls)
              + "".join(f"{e.replace('gdn_fwd.', ''):>10s}" for e in extra)]
-    for label in dict.fromkeys(r["problem"] for r in rows):
-        got = {(r["impl"], r["L"]): r["ms"] for r in rows if r["problem"] == label}
-        lines.append(f"{short_label(label):20s}"
-                     + "".join(f"{got.get((name, str(L)), '-'):>9s}" for L in Ls)
-                     + "".join(f"{got.get((e, ''), '-'):>10s}" for e in extra))
+    for label, got in sweep.items():
+        cell = lambda key, width: f"{got[key]:>{width}}" if key in got else f"{'-':>{width}s}"
+        lines.append(f"{short_label(label):20s}" + "".join(cell((name, str(L)), 9) for L in Ls)
+                     + "".join(cell((e, ""), 10) for e in extra))
     return "\n".join(lines)
 
 

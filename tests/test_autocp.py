@@ -92,11 +92,9 @@ def test_decision_rule_splits_where_the_measured_splits_won():
 
 def split_sweep(number: int) -> dict:
     """profiles/results/autocp_split.csv: problem label -> {L: ms} of gdn_fwd.sNN (L 0: unsplit)."""
-    sweep = {}
-    for r in bench.read_csv(bench.RESULTS / "autocp_split.csv"):
-        if r["impl"] == f"gdn_fwd.s{number}" and r["L"] != "" and r["ms"]:
-            sweep.setdefault(r["problem"], {})[int(r["L"])] = float(r["ms"])
-    return sweep
+    stage = f"gdn_fwd.s{number}"
+    return {label: {int(L): ms for (impl, L), ms in t.items() if impl == stage and L != ""}
+            for label, t in bench.split_sweep(stage).items()}
 
 
 RULE_CASES = [(number, label) for number in (18, 20) for label in split_sweep(number)]
