@@ -418,13 +418,13 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21],
-                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22],
+                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
-    s20's with phase 2 in one kernel), with its kernels (and those of the chain it runs) compiled on threads
-    first."""
+    s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09), with its kernels (and
+    those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -534,10 +534,10 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21],
-                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21"])
+@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21, 22],
+                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22"])
 def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
-    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20 and s21 reads ``gated`` at each segment's rows of the whole
+    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20, s21 and s22 reads ``gated`` at each segment's rows of the whole
     sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
     as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
     of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
