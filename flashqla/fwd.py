@@ -101,10 +101,10 @@ MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the hea
 CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21): state columns per CTA, V / 8 per (sequence, head)
 CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
 CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
-PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s20's): segments
-SEGMENT_CHUNK_STEPS = 2.6              # fill two CTAs an SM (or half as many); the split costs these
-SEGMENT_STEPS = 3.8                    # chunk steps at BV 64 per chunk of a segment at one CTA an
-FIXED_STEPS = 8                        # SM, per segment and once
+PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s22's): segments
+SEGMENT_CHUNK_STEPS = 2.0              # fill two CTAs an SM (or half as many); the split costs these
+SEGMENT_STEPS = 1.2                    # chunk steps at BV 64 per chunk of a segment at one CTA an
+FIXED_STEPS = 10                       # SM, per segment and once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
@@ -884,8 +884,8 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py and s20_lean_warmup.py (AutoCP's rule and
-# plan: s18's shortest L that fits, s20's candidates and costs)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s20_lean_warmup.py and s22_rule_and_solve.py
+# (AutoCP's rule and plan: s18's shortest L that fits, s20's candidates, s22's costs)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk

@@ -93,14 +93,14 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s20's rule, forced or decided."""
-    s20 = load("gdn_fwd", 20)
+    """AutoCP's split per launch is gdn_fwd.s22's rule, forced or decided."""
+    s22 = load("gdn_fwd", 22)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s20.segment_chunks(chunks, hv, sms, step, force)
-    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s22.segment_chunks(chunks, hv, sms, step, force)
+    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 8, 32, 64}
 
 
 def test_a_changed_kernel_is_caught():

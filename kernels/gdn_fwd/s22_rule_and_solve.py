@@ -1,7 +1,17 @@
-"""gdn_fwd, stage 22: s21's forward on gate_free_solve.s09, the solve chosen by the value heads a
-CTA holds (s08's tensor-core half with one or two, s06 with three or four).
+"""gdn_fwd, stage 22: s21's forward with a rule refitted to its cheaper phase 2, on
+gate_free_solve.s09, the solve chosen by the value heads a CTA holds (s08's tensor-core half with
+one or two, s06 with three or four).
 
-What changed from s21: the solve. s21 (through s18) ran gate_free_solve.s05; the library has run
+What changed from s21, first: the rule. s21 kept s20's ``segment_chunks``, whose costs were fitted
+with phase 2 as batched matmuls (3.8 chunk steps a segment). s21 chains in one kernel, so a segment
+costs less, and s20's rule no longer picks the fastest split: it leaves (4, 16) and (16, 16)
+1x8192 unsplit (0.283 and 0.301 ms, against 0.252 and 0.281 at L 16), splits (2, 8) 1x8192 at L 16
+(0.193 against 0.185 at L 8), and never splits (8, 24) 1x32768 (1.124 against 0.994 at L 103).
+The same form, refitted to s21's sweep (``profiles/split_lab.py --stage 21``, ``results/
+autocp_split.csv``): SEGMENT_CHUNK_STEPS 2.0 (was 2.6), SEGMENT_STEPS 1.2 (was 3.8), FIXED_STEPS
+10 (was 8).
+
+Second: the solve. s21 (through s18) ran gate_free_solve.s05; the library has run
 s06 (the same bits, 0.85-0.90x its time) since commit 02d7c5e, and s09 runs s08's kernel where it
 is faster: 0.83-0.85x s06's time on (16, 32), 0.93-0.94x on (16, 16) (``results/solve.csv``, 4 x
 H100, commit d8516c1). Where s08 runs, Ab is no longer s02's bits: its lower-left half is two tf32
@@ -16,14 +26,23 @@ import torch
 
 from flashqla import autocp, stages
 from flashqla.nvtx import nvtx_range
+from flashqla.varlen import host_bounds
 
 NEEDS = ("hopper",)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "tma_store", "autocp_chain", "kTensorFloat32")
 
-PIPELINE = stages.load("gdn_fwd", 21)   # everything but the solve
+PIPELINE = stages.load("gdn_fwd", 21)   # everything but the solve and the rule
 SOLVE = ("gate_free_solve", 9)          # Ab and the gated flags
 CHUNK_SIZE = PIPELINE.CHUNK_SIZE
 HEAD_DIM = PIPELINE.HEAD_DIM
+# the rule's costs (``segment_chunks``), s20's with s21's phase 2, in chunk steps of phase 3 at
+# BV 64: per chunk of a segment at one CTA an SM (phases 1 and 3), per segment (phase 2's chaining
+# a boundary), once (windows, launches); a point of a grid search over s21's sweep where the rule
+# picks a measured split within 3 % of the fastest on every problem, as it does at all 125 grid
+# points within +-0.1, +-0.4 and +-4 of it
+SEGMENT_CHUNK_STEPS = 2.0
+SEGMENT_STEPS = 1.2
+FIXED_STEPS = 10
 
 
 def kernel_source() -> str:
@@ -31,9 +50,48 @@ def kernel_source() -> str:
     return PIPELINE.kernel_source() + stages.load(*SOLVE).kernel_source()
 
 
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """s20's rule with this stage's costs: L0 (s18's L, the shortest whose segments fit two
+    phase-3 CTAs an SM) and 2 L0 each cost, in chunk steps at BV 64,
+
+        SEGMENT_CHUNK_STEPS L (1 + load / 2) + SEGMENT_STEPS J + FIXED_STEPS
+
+    with J the longest sequence's segments and load the phase-3 CTAs an SM (2 HV a segment).
+    Automatic (``force`` None): the cheaper, if below the unsplit launch's ``unsplit_step`` x the
+    longest sequence, else 0. ``force``: False never splits, True splits at the cheaper, an int is L."""
+    s18 = PIPELINE.PIPELINE.PIPELINE
+    if force is not None and force is not True:
+        return s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force)
+    L0 = s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, True)
+    if not L0:
+        return 0
+    longest = max(seq_chunks)
+    costs = []
+    for L in (L0, 2 * L0):
+        J = -(-longest // L)
+        load = 2 * HV * sum(-(-c // L) for c in seq_chunks) / num_sms
+        if J >= 2:
+            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+    if force is True:
+        return min(costs)[1] if costs else L0
+    return min(costs + [(unsplit_step * longest, 0)])[1]
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
+    """s18's ``split_plan`` at the segment length of this stage's rule (None: no split)."""
+    s18 = PIPELINE.PIPELINE.PIPELINE
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                  else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
+    return s18.split_plan(cu_seqlens, B, T, HV, num_sms, device, L if L else False, unsplit_step)
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
-    """s21's ``forward`` (same rule, ``cp`` as there) with SOLVE's solve."""
+    """s21's ``forward`` with this stage's rule (``cp`` None decides, False never splits, True
+    splits by the rule, an int is the segment length in chunks) and SOLVE's solve."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -47,7 +105,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     sms = autocp.num_sms(device)
     widths, fused = s18.WIDTHS, s18.PIPELINE
     BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
-    p = s20.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
     if p is None:
         o, ht = fused._fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths)
         return o, (ht if output_final_state else None)
