@@ -3,17 +3,18 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s20's
-pipeline (s18's, with AutoCP's phase 1 on warp roles) with gate_free_solve.s06's blocked solve in
-place of s05's (both run s02's operations: the same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
-rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value
-columns a CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA)
-at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags;
-s20's warm-up on warp roles and its rule).
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s22's
+pipeline: s21's (s20's, with AutoCP's phase 2 in one kernel) with its rule refitted, on
+gate_free_solve.s09's solve (s08's tensor-core half with one or two value heads a CTA, s06's
+blocked solve with three or four), and a fused kernel whose width comes from the sequence lengths
+(``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain,
+s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup, s14,
+with O stored by TMA) at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from
+g, beta and the flags; s20's warm-up on warp roles; s21's chaining; s22's rule).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
-    gate_free_solve.s06      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+    gate_free_solve.s09      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
                                                                   substitution, the rest by block
@@ -21,7 +22,11 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   per key head; a (chunk, value
                                                                   head) where beta ||k||^2 > 2
                                                                   solves the gated matrix instead
-                                                                  and is flagged ``gated``
+                                                                  and is flagged ``gated``. With
+                                                                  one or two value heads a CTA
+                                                                  (s08), the inverse's lower-left
+                                                                  half is two tf32 tensor-core
+                                                                  products: 0.83-0.94x s06's time
     gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel. Per
@@ -41,6 +46,14 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   1.17-1.23x s18 where both split
                                                                   (2 x H100, 9ce8cef,
                                                                   autocp_split.csv)
+    gdn_fwd.s21 (chain)      h0, Z, M                -> h_seg     each segment's initial state,
+                                                                  h_j = Z_j + M_j h_{j-1}, in one
+                                                                  kernel (a CTA per sequence, head
+                                                                  and 8 state columns; M_{j+1}
+                                                                  loaded by TMA while M_j
+                                                                  multiplies): 38 us on (2, 8)
+                                                                  1x32768 against s20's 122 of
+                                                                  batched matmuls and copies
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one

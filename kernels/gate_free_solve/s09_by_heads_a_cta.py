@@ -16,8 +16,10 @@ products of each head.
 Precision: s08's, where it runs (tf32 adds 1.5-2.9e-4 relative L2 to Ab against 1.6-1.9e-3 for
 its bf16 store); s06's (s02's bits) elsewhere.
 
-Measured effect: not yet (GPU tests and the lab pending); expected, from the solve lab, s08's
-times on (16, 32) and (16, 16) and s06's elsewhere.
+Measured effect: as chosen, s08's times on (16, 32) and (16, 16) and s06's elsewhere (the solve
+lab above). In the forward (gdn_fwd.s22 against s21, which runs s05's solve; one H100, commit
+e7a917b): 0.91-0.98x s21's time on the unsplit (16, 32) and (16, 16) problems but 1x2048. GPU
+tests: the public shapes (commit 3e168be).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

@@ -17,7 +17,15 @@ is faster: 0.83-0.85x s06's time on (16, 32), 0.93-0.94x on (16, 16) (``results/
 H100, commit d8516c1). Where s08 runs, Ab is no longer s02's bits: its lower-left half is two tf32
 products (1.5-2.9e-4 relative L2 on Ab, against 1.6-1.9e-3 for its bf16 store).
 
-Measured effect: not yet (GPU tests pending).
+Measured effect (the benchmark's rows s20-s22, the API and both peers rerun on the 17 problems that
+the rule or the solve changed; one H100, commit e7a917b, ``results/gdn_fwd.csv``):
+- the rule: 0.89x s21's time on (8, 24) 1x32768 (L 103: 0.967 ms, 1.05x FlashQLA), 0.90x on (4,
+  16) 1x8192 and 0.92x on (16, 16) 1x8192 (L 16, with the solve); level on (2, 8) 1x8192 (L 8
+  against s21's L 16: 0.189 ms both in this run, 0.185 against 0.193 in the sweep);
+- the solve, where nothing splits: 0.91-0.98x s21's time on (16, 32) and (16, 16), except the
+  1x2048 problems (1.02x and 0.99x);
+- where both split alike: 0.96-1.03x (the runs' noise).
+GPU tests: the public shapes, AutoCP on vs off, flags, determinism, graph replay (commit 3e168be).
 
 Taught in: notebooks/04_reformulation.py (the solve), notebooks/05_autocp.py (the pipeline)
 """
