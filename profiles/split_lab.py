@@ -1,5 +1,5 @@
-"""Lab: AutoCP's segment length, gdn_fwd.s18 or s20 forced to each L beside its unsplit launch, the
-stage before it and FlashQLA, on few heads and long sequences.
+"""Lab: AutoCP's segment length, gdn_fwd.s18, s20 or s21 forced to each L beside its unsplit launch,
+the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
@@ -14,8 +14,9 @@ two segments or more, ``gdn_fwd.sNN auto`` (the rule), the stage before it
 (CUDA-graph replay over input sets that exceed twice the L2 cache, median). ``rel_err``: the
 split's o and final state against the unsplit launch's (relative L2, the larger), which the
 warm-up's bound keeps at bf16 rounding. Plus ``flashqla.bench.versions``' provenance columns.
-``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80) and one of s20;
-``tests/test_autocp.py`` checks each stage's rule against its rows. ``--report IN.csv`` prints the table.
+``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80), one of s20
+and one of s21 (three calls); ``tests/test_autocp.py`` checks the rules of s18, s20 and s22 (which
+runs s21's kernels) against them. ``--report IN.csv`` prints the table.
 """
 
 import argparse
