@@ -431,7 +431,9 @@ def provenance(rows: list[dict]) -> dict:
 
 def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
     """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    last = {mode.peers[1]: 2, API_ROW: 3}  # FLA, the stages in order, FlashQLA, the API
+    impls = sorted(dict.fromkeys(r["impl"] for r in rows),
+                   key=lambda i: (0, "") if i == mode.peers[0] else (last.get(i, 1), i))
     meta = provenance(rows)
     head = ("| problem | " + " | ".join(impls)
             + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n" + "|" + "---|" * (len(impls) + 5))

@@ -3,17 +3,18 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s20's
-pipeline (s18's, with AutoCP's phase 1 on warp roles) with gate_free_solve.s06's blocked solve in
-place of s05's (both run s02's operations: the same bits), and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's
-rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value
-columns a CTA, s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA)
-at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags;
-s20's warm-up on warp roles and its rule).
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s22's
+pipeline: s21's (s20's, with AutoCP's phase 2 in one kernel) with its rule refitted, on
+gate_free_solve.s09's solve (s08's tensor-core half with one or two value heads a CTA, s06's
+blocked solve with three or four), and a fused kernel whose width comes from the sequence lengths
+(``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain,
+s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup, s14,
+with O stored by TMA) at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from
+g, beta and the flags; s20's warm-up on warp roles; s21's chaining; s22's rule).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
-    gate_free_solve.s06      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+    gate_free_solve.s09      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
                                                                   substitution, the rest by block
@@ -21,7 +22,11 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   per key head; a (chunk, value
                                                                   head) where beta ||k||^2 > 2
                                                                   solves the gated matrix instead
-                                                                  and is flagged ``gated``
+                                                                  and is flagged ``gated``. With
+                                                                  one or two value heads a CTA
+                                                                  (s08), the inverse's lower-left
+                                                                  half is two tf32 tensor-core
+                                                                  products: 0.83-0.94x s06's time
     gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel. Per
@@ -41,6 +46,14 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   1.17-1.23x s18 where both split
                                                                   (2 x H100, 9ce8cef,
                                                                   autocp_split.csv)
+    gdn_fwd.s21 (chain)      h0, Z, M                -> h_seg     each segment's initial state,
+                                                                  h_j = Z_j + M_j h_{j-1}, in one
+                                                                  kernel (a CTA per sequence, head
+                                                                  and 8 state columns; M_{j+1}
+                                                                  loaded by TMA while M_j
+                                                                  multiplies): 38 us on (2, 8)
+                                                                  1x32768 against s20's 122 of
+                                                                  batched matmuls and copies
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
@@ -72,7 +85,7 @@ tensor that the API's validation makes (``flashqla.varlen.host_bounds``), which 
 kernel width. Inside a CUDA-graph capture with no eager call before it, the plan is built on the
 device. Without a split the fused kernel walks whole sequences. With one, the windows kernel
 decides each (segment, head)'s window, the warm-up kernel runs the chain over it (Z; and M for
-exact heads), a batched matmul per segment chains h_j = Z_j + M_j h_{j-1}, and the fused kernel
+exact heads), one kernel chains h_j = Z_j + M_j h_{j-1} over the segments, and the fused kernel
 walks all segments at once, each from its h_j, reading ``gated`` at its first chunk's row of the
 whole sequences' chunk table (``Plan.first_chunk``). Each kernel launch is in an NVTX range
 ``fwd.<kernel>``.
@@ -98,13 +111,18 @@ BLOCK = 64            # state columns per CTA of the warm-up kernel
 WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
 UNROLL = 4            # ... four at once
 MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
-PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s20's): segments
-SEGMENT_CHUNK_STEPS = 2.6              # fill two CTAs an SM (or half as many); the split costs these
-SEGMENT_STEPS = 3.8                    # chunk steps at BV 64 per chunk of a segment at one CTA an
-FIXED_STEPS = 8                        # SM, per segment and once
+CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21): state columns per CTA, V / 8 per (sequence, head)
+CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
+CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
+PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s22's): segments
+SEGMENT_CHUNK_STEPS = 2.0              # fill two CTAs an SM (or half as many); the split costs these
+SEGMENT_STEPS = 1.2                    # chunk steps at BV 64 per chunk of a segment at one CTA an
+FIXED_STEPS = 10                       # SM, per segment and once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
+SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
+SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
@@ -357,6 +375,223 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     return gate_free_solve_balanced
 
 
+# ---- promoted from kernels/gate_free_solve/s08_tensor_core_half.py (BLOCK renamed SOLVE_BLOCK, HALF
+# SOLVE_HALF); the forward runs it where a CTA holds at most SOLVE_TF32_MAX_HEADS (gate_free_solve.s09)
+def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
+    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
+    value heads of one key head (a divisor of HV / H); any token or chunk count."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    def a_elem(kkt_s, g_s, r, i, l, n, gate):
+        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
+        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
+        if gate:
+            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
+        return kkt_s[i, l]
+
+    @T.macro
+    def phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
+        # X_jj <- (I + A_jj)^-1 e_c for heads r0 .. r0 + nr - 1 at once (independent chains): forward
+        # substitution over the block's 16 rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l
+        # (unknown x_l are still 0); half h sums l in 8h .. 8h + 7, one shuffle adds the other half
+        for s in T.unroll(nr * 8):
+            x_a[s] = 0.0
+        for i in T.unroll(SOLVE_BLOCK):
+            for u in T.unroll(nr):
+                acc[2 * u] = 0.0
+                acc[2 * u + 1] = 0.0
+                for q in T.unroll(8):
+                    acc[2 * u + q % 2] = acc[2 * u + q % 2] + a_elem(
+                        kkt_s, g_s, r0 + u, SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q, n, gate) * x_a[8 * u + q]
+            for u in T.unroll(nr):
+                row[u] = acc[2 * u] + acc[2 * u + 1]
+                row[u] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r0 + u, SOLVE_BLOCK * jb + i] * (
+                    row[u] + T.shfl_xor(row[u], 16))
+                if i // 8 == half:
+                    x_a[8 * u + i % 8] = row[u]
+        for u in T.unroll(nr):
+            for q in T.unroll(8):
+                x_s[r0 + u, jb // 2, SOLVE_BLOCK * (jb % 2) + 8 * half + q, SOLVE_BLOCK * (jb % 2) + c] = x_a[8 * u + q]
+
+    @T.macro
+    def phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, gate):
+        # X_jj's column c (phase A's, from shared: another warp may have solved it)
+        for q in T.unroll(8):
+            x_col[q] = x_s[r, jb // 2, SOLVE_BLOCK * (jb % 2) + 8 * half + q, SOLVE_BLOCK * (jb % 2) + c]
+        # level d, block row i = j + d of block column j: t <- diag(beta) sum_{e < d} A_{i, j+e}
+        # X_{j+e, j}[:, c] (16 independent row sums), then X_ij[:, c] <- -X_ii t
+        for d in T.unroll(1, NB):
+            if jb + d < NB:
+                for i in T.unroll(SOLVE_BLOCK):
+                    acc[0] = 0.0
+                    acc[1] = 0.0
+                    for e in T.unroll(d):
+                        for q in T.unroll(8):
+                            acc[q % 2] = acc[q % 2] + a_elem(
+                                kkt_s, g_s, r, SOLVE_BLOCK * (jb + d) + i, SOLVE_BLOCK * (jb + e) + 8 * half + q, n,
+                                gate) * x_col[8 * e + q]
+                    row[0] = acc[0] + acc[1]
+                    t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
+                for q in T.unroll(8):
+                    acc[0] = 0.0
+                    acc[1] = 0.0
+                    for s in T.unroll(SOLVE_BLOCK):
+                        acc[s % 2] = acc[s % 2] + x_s[r, (jb + d) // 2, SOLVE_BLOCK * ((jb + d) % 2) + 8 * half + q,
+                                                           SOLVE_BLOCK * ((jb + d) % 2) + s] * t_col[s]
+                    x_col[8 * d + q] = -(acc[0] + acc[1])
+
+    @T.macro
+    def level_one(kkt_s, beta_s, x_s, x_col, t_col, acc, row, c, half, r, b):
+        # X_{j+1, j} of head r, j = 2b, column c: t <- diag(beta) A_{j+1, j} X_jj[:, c] (16
+        # independent row sums), X_{j+1, j}[:, c] <- -X_{j+1, j+1} t (fp32, as s02's level 1)
+        for q in T.unroll(8):
+            x_col[q] = x_s[r, b, 8 * half + q, c]
+        for i in T.unroll(SOLVE_BLOCK):
+            acc[0] = 0.0
+            acc[1] = 0.0
+            for q in T.unroll(8):
+                acc[q % 2] = acc[q % 2] + kkt_s[SOLVE_BLOCK * (2 * b + 1) + i, SOLVE_BLOCK * 2 * b + 8 * half + q] * x_col[q]
+            row[0] = acc[0] + acc[1]
+            t_col[i] = beta_s[r, SOLVE_BLOCK * (2 * b + 1) + i] * (row[0] + T.shfl_xor(row[0], 16))
+        for q in T.unroll(8):
+            acc[0] = 0.0
+            acc[1] = 0.0
+            for s in T.unroll(SOLVE_BLOCK):
+                acc[s % 2] = acc[s % 2] + x_s[r, b, SOLVE_BLOCK + 8 * half + q, SOLVE_BLOCK + s] * t_col[s]
+            x_s[r, b, SOLVE_BLOCK + 8 * half + q, c] = -(acc[0] + acc[1])
+
+    @T.prim_func
+    def gate_free_solve_tf32(
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        beta: T.Tensor((num_tokens, HV), "float32"),
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
+    ):
+        with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
+            T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
+            t = T.get_thread_binding()
+            warp = t // 32                                     # phase A: this warp's block column
+            c = t % 16                                         # the lane's column within a block
+            half = (t // 16) % 2                               # which half of each row sum
+            hv0 = i_r * R                                      # this CTA's first value head
+            i_h = hv0 // group
+            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
+            n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
+
+            k_s = T.alloc_shared((C, K), "bfloat16")
+            kkt_s = T.alloc_shared((C, C), "float32")
+            beta_s = T.alloc_shared((R, C), "float32")
+            g_s = T.alloc_shared((R, C), "float32")
+            flag_s = T.alloc_shared((R,), "int32")
+            x_s = T.alloc_shared((R, 2, SOLVE_HALF, SOLVE_HALF), "float32")     # X's diagonal halves (lo, hi) of each head
+            all_s = T.alloc_shared((SOLVE_HALF, SOLVE_HALF), "float32")         # K K^T's lower-left half
+            t1_s = T.alloc_shared((R, SOLVE_HALF, SOLVE_HALF), "float32")       # (K K^T)_hl x_lo of each head
+            t1_f = T.alloc_fragment((SOLVE_HALF, SOLVE_HALF), "float32")
+            ll_f = T.alloc_fragment((SOLVE_HALF, SOLVE_HALF), "float32")
+            kkt_f = T.alloc_fragment((C, C), "float32")
+            x_a = T.alloc_local((R * 8,), "float32")           # phase A: X_jj[8 half + q, c] of head u at 8 u + q
+            x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
+            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
+            acc = T.alloc_local((2 * R,), "float32")           # two partial sums of a row, per head
+            row = T.alloc_local((R,), "float32")
+            any_flag = T.alloc_local((1,), "int32")
+
+            # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
+            for r in T.Parallel(R):
+                flag_s[r] = 0
+            # K <- k[bos : bos + n]; beta, log2(e) g_cum of the R value heads; zeros below row n
+            for i, d in T.Parallel(C, K):
+                k_s[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
+            for r, i in T.Parallel(R, C):
+                beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
+                g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
+            # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
+            T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
+            T.copy(kkt_f, kkt_s)
+            # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
+            for r, i in T.Parallel(R, C):
+                if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
+                    flag_s[r] = 1
+            T.sync_threads()
+            any_flag[0] = 0
+            for r in T.unroll(R):
+                any_flag[0] = any_flag[0] | flag_s[r]
+
+            if any_flag[0] == 0:
+                # phase A (s08's): warp w solves X_ww of every head, the substitutions interleaved
+                phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, 0, R, False)
+                # all <- K K^T[32:64, 0:32], the lower-left half's products' shared factor
+                for i, j in T.Parallel(SOLVE_HALF, SOLVE_HALF):
+                    all_s[i, j] = kkt_s[SOLVE_HALF + i, j]
+                T.sync_threads()
+                # level 1: X_10 and X_32 of every head, 2R blocks over the four warps
+                for e in T.unroll((2 * R + NB - 1) // NB):
+                    if warp + NB * e < 2 * R:
+                        level_one(kkt_s, beta_s, x_s, x_col, t_col, acc, row, c, half,
+                                  (warp + NB * e) // 2, (warp + NB * e) % 2)
+                T.sync_threads()
+                # Ab's diagonal halves, in place: x_lo <- [[X_00, 0], [X_10, X_11]] diag(beta_0:32),
+                # x_hi <- [[X_22, 0], [X_32, X_33]] diag(beta_32:64)
+                for r, b, i, j in T.Parallel(R, 2, SOLVE_HALF, SOLVE_HALF):
+                    x_s[r, b, i, j] = T.if_then_else((i < SOLVE_BLOCK) & (j >= SOLVE_BLOCK), 0.0,
+                                                     x_s[r, b, i, j] * beta_s[r, SOLVE_HALF * b + j])
+                # level 2 on the tensor cores (tf32, fp32 accumulate): Ab's lower-left half
+                # -X_hi diag(beta_hi) (K K^T)_hl X_lo diag(beta_lo) = -x_hi (all x_lo)
+                for r in T.unroll(R):
+                    T.gemm(all_s, x_s[r, 0, :, :], t1_f, clear_accum=True)
+                    T.copy(t1_f, t1_s[r, :, :])
+                for r in T.unroll(R):
+                    T.gemm(x_s[r, 1, :, :], t1_s[r, :, :], ll_f, clear_accum=True)
+                    for i, j in T.Parallel(SOLVE_HALF, SOLVE_HALF):
+                        if SOLVE_HALF + i < n:
+                            ab[bos + SOLVE_HALF + i, hv0 + r, j] = -ll_f[i, j]
+                # the other three quarters: xlo, xhi, and zeros above the diagonal
+                for r in T.unroll(R):
+                    for i, j in T.Parallel(C, C):
+                        if (i < n) & ((i < SOLVE_HALF) | (j >= SOLVE_HALF)):
+                            ab[bos + i, hv0 + r, j] = T.if_then_else(
+                                i < SOLVE_HALF, T.if_then_else(j < SOLVE_HALF, x_s[r, 0, i % SOLVE_HALF, j % SOLVE_HALF], 0.0),
+                                x_s[r, 1, i % SOLVE_HALF, j % SOLVE_HALF])
+                for r in T.Parallel(R):
+                    gated[i_c, hv0 + r] = 0
+            else:
+                # a CTA with a flagged head: s08's path, all in fp32
+                for r in T.unroll(R):
+                    if flag_s[r] == 1:
+                        phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, r, 1, True)
+                    else:
+                        phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, r, 1, False)
+                T.sync_threads()
+                for r in T.serial(R):
+                    jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
+                    col = SOLVE_BLOCK * jb + c
+                    if flag_s[r] == 1:
+                        phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
+                    else:
+                        phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, False)
+                    for l in T.unroll(NB):
+                        if jb + l < NB:
+                            for q in T.unroll(8):
+                                if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
+                                    ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
+                    for l in T.unroll(1, NB):
+                        if jb >= l:
+                            for q in T.unroll(8):
+                                if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
+                                    ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
+                    if t == 0:
+                        gated[i_c, hv0 + r] = flag_s[r]
+
+    return gate_free_solve_tf32
+
+
 # ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows)
 def windows_kernel(HV: int):
     """The T.prim_func that gives each (slot, value head) its window start and exact flag: what
@@ -582,6 +817,51 @@ def warmup_kernel(H: int, HV: int):
     return gdn_autocp_warmup_lean
 
 
+# ---- promoted from kernels/gdn_fwd/s21_one_kernel_chaining.py (AutoCP's phase 2)
+def chain_kernel(HV: int):
+    """The T.prim_func of phase 2 for HV value heads: ``autocp.segment_initial_states``' h of every
+    slot, [J N, HV, K, V], from h0 [N, HV, K, V] and phase 1's Z [J N, HV, K, V], M [J N, HV, K, K]."""
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
+
+    K, V, BC = HEAD_DIM, HEAD_DIM, CHAIN_COLUMNS
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def autocp_chain(
+        h0: T.Tensor((num_seqs, HV, K, V), "float32"),
+        z: T.Tensor((num_slots, HV, K, V), "float32"),         # slot j N + n: segment j of sequence n
+        m: T.Tensor((num_slots, HV, K, K), "float32"),         # zero for a warm-up head
+        hs: T.Tensor((num_slots, HV, K, V), "float32"),        # each slot's initial state
+    ):
+        with T.Kernel(V // BC, HV, num_seqs, threads=CHAIN_THREADS) as (i_c, i_hv, i_n):
+            c0 = i_c * BC
+            m_s = T.alloc_shared((K, K), "float32")
+            h_s = T.alloc_shared((K, BC), "float32")
+            h_f = T.alloc_fragment((K, BC), "float32")
+            # M's rows swizzled: a warp reads one column of 16 rows at once (unswizzled, 512-byte
+            # rows put them all in one bank)
+            T.annotate_layout({m_s: tilelang.layout.make_swizzled_layout(m_s)})
+
+            # h_0 <- the sequence's initial state
+            T.copy(h0[i_n, i_hv, :, c0:c0 + BC], h_f)
+            T.copy(h_f, hs[i_n, i_hv, :, c0:c0 + BC])
+            for j in T.Pipelined(num_slots // num_seqs - 1, num_stages=CHAIN_STAGES):
+                s = (j + 1) * num_seqs + i_n
+                # M_j (its load is issued CHAIN_STAGES - 1 steps ahead: it does not read h)
+                T.copy(m[s, i_hv, :, :], m_s)
+                # h_j <- Z_j + M_j h_{j-1}
+                T.copy(h_f, h_s)
+                T.copy(z[s, i_hv, :, c0:c0 + BC], h_f)
+                for e in T.serial(K):
+                    for r, c in T.Parallel(K, BC):
+                        h_f[r, c] = h_f[r, c] + m_s[r, e] * h_s[e, c]
+                T.copy(h_f, hs[s, i_hv, :, c0:c0 + BC])
+
+    return autocp_chain
+
+
 # ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
 def chunk_parts(num_seq_chunks):
     """The chain's and output's chunk loop in two parts, (first chunk, trips, slots, present): the
@@ -617,8 +897,8 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py and s20_lean_warmup.py (AutoCP's rule and
-# plan: s18's shortest L that fits, s20's candidates and costs)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s20_lean_warmup.py and s22_rule_and_solve.py
+# (AutoCP's rule and plan: s18's shortest L that fits, s20's candidates, s22's costs)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
@@ -1148,7 +1428,9 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     with nvtx_range("fwd.chunk_local_cumsum"):
         _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
     with nvtx_range("fwd.gate_free_solve"):
-        _compiled(gate_free_solve_kernel, H, HV, cta_heads(H, HV))(k, beta, g_cum, chunks, ab, gated)
+        R = cta_heads(H, HV)
+        solve = gate_free_solve_tf32_kernel if R <= SOLVE_TF32_MAX_HEADS else gate_free_solve_kernel
+        _compiled(solve, H, HV, R)(k, beta, g_cum, chunks, ab, gated)
 
     sms = autocp.num_sms(device)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
@@ -1167,8 +1449,11 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         with nvtx_range("fwd.autocp_warmup"):
             _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
                                             p.slot_chunk, exact, z, m)
-        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row
-        h0 = autocp.segment_initial_states(p, h0, z, m)
+        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every slot, then of every segment row
+        hs = torch.empty_like(z)
+        with nvtx_range("fwd.autocp_chain"):
+            _compiled(chain_kernel, HV)(h0, z, m, hs)
+        h0 = hs.index_select(0, p.slot_of_segment)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths

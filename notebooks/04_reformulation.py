@@ -1987,8 +1987,10 @@ assert "barrier" in ncu_solve["s05"]["stalls"] and "barrier" not in ncu_solve["s
 # 1.6-1.9e-3). It wins where a CTA holds one or two value heads (0.83-0.85x s06's time on (16, 32),
 # 0.93-0.94x on (16, 16), where it is 1.14x FlashQLA's speed on (16, 32)), and loses with three or
 # four (1.02-1.16x): its 71 KiB of shared memory leaves three CTAs an SM, and Nsight Compute puts
-# `short_scoreboard` (shared-memory waits) first. Choosing the solve by heads a CTA is the next
-# promotion.
+# `short_scoreboard` (shared-memory waits) first. `gate_free_solve.s09` chooses per launch: s08
+# with one or two value heads a CTA, s06 with three or four; the library runs it (through
+# `gdn_fwd.s22`, notebook 05). In the forward it takes 0.91-0.98x the time of the same pipeline on
+# s05 on the unsplit (16, 32) and (16, 16) problems but 1x2048 (one H100, commit e7a917b).
 
 # %% [markdown]
 #

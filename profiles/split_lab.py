@@ -1,5 +1,5 @@
-"""Lab: AutoCP's segment length, gdn_fwd.s18 or s20 forced to each L beside its unsplit launch, the
-stage before it and FlashQLA, on few heads and long sequences.
+"""Lab: AutoCP's segment length, gdn_fwd.s18, s20 or s21 forced to each L beside its unsplit launch,
+the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
@@ -7,13 +7,16 @@ On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
 For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
 ``cp=L`` for each L of LS whose segments are at most a third of the longest sequence (L = 0:
-``cp=False``, the unsplit launch), ``gdn_fwd.sNN auto`` (the rule), the stage before it
+``cp=False``, the unsplit launch) and for the rules' two candidates, L0 (the shortest L whose
+segments fill two phase-3 CTAs an SM, ``gdn_fwd.s18.segment_chunks``) and 2 L0, where they leave
+two segments or more, ``gdn_fwd.sNN auto`` (the rule), the stage before it
 (PREVIOUS, its own rule) and ``FlashQLA``; ``flashqla.bench.time_row``
 (CUDA-graph replay over input sets that exceed twice the L2 cache, median). ``rel_err``: the
 split's o and final state against the unsplit launch's (relative L2, the larger), which the
 warm-up's bound keeps at bf16 rounding. Plus ``flashqla.bench.versions``' provenance columns.
-``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80) and one of s20;
-``tests/test_autocp.py`` checks each stage's rule against its rows. ``--report IN.csv`` prints the table.
+``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80), one of s20
+and one of s21 (three calls); ``tests/test_autocp.py`` checks the rules of s18, s20 and s22 (which
+runs s21's kernels) against them. ``--report IN.csv`` prints the table.
 """
 
 import argparse
@@ -25,7 +28,8 @@ from flashqla.testing import Problem
 
 PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
             for lengths in ((32768,), (28672, 4096), (8192,))] + [
-    Problem(8, 32, (32768,)), Problem(16, 32, (32768,)), Problem(8, 24, (32768,)), Problem(2, 8, (2048,))]
+    Problem(8, 32, (32768,)), Problem(16, 32, (32768,)), Problem(8, 24, (32768,)), Problem(2, 8, (2048,)),
+    Problem(8, 24, (28672, 4096))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
 PREVIOUS = {18: 17, 20: 18, 21: 20}  # the stage whose split a stage's sweep is compared with
 
@@ -33,12 +37,13 @@ PREVIOUS = {18: 17, 20: 18, 21: 20}  # the stage whose split a stage's sweep is 
 def measure(out: Path, heads, commit: str, stage: int) -> int:
     import torch
 
-    from flashqla import bench, stages
+    from flashqla import autocp, bench, stages
     from flashqla.testing import rel_l2
 
     import flash_qla
 
     mod, prev = stages.load("gdn_fwd", stage), stages.load("gdn_fwd", PREVIOUS[stage])
+    s18, sms = stages.load("gdn_fwd", 18), autocp.num_sms(torch.device("cuda"))
     name = f"gdn_fwd.s{stage}"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     meta = dict(bench.versions(commit), method="CUDA graph replay, median (bench.time_row)")
@@ -49,8 +54,11 @@ def measure(out: Path, heads, commit: str, stage: int) -> int:
         sets = bench.input_sets(p, l2)
         x = sets[0]
         off = mod.forward(**x, cp=False)
-        impls = [(name, L, lambda y, L=L: mod.forward(**y, cp=L if L else False))
-                 for L in LS if 3 * 64 * L <= max(p.lengths)]
+        seq_chunks = [-(-n // 64) for n in p.lengths]
+        L0 = s18.segment_chunks(seq_chunks, p.HV, sms, 0.0, True)
+        Ls = {L for L in LS if 3 * 64 * L <= max(p.lengths)}
+        Ls |= {L for L in (L0, 2 * L0) if -(-max(seq_chunks) // L) >= 2}
+        impls = [(name, L, lambda y, L=L: mod.forward(**y, cp=L if L else False)) for L in sorted(Ls)]
         impls += [(f"{name} auto", "", lambda y: mod.run(**y)),
                   (f"gdn_fwd.s{PREVIOUS[stage]}", "", lambda y: prev.run(**y)),
                   ("FlashQLA", "", lambda y: flash_qla.chunk_gated_delta_rule(**y))]

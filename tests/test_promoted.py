@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s20) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s22) gives."""
 
 import sys
 
@@ -16,9 +16,12 @@ from flashqla.testing import Problem, check_op
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 16, 1)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
     (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (2, 8)),
+    (fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
@@ -35,7 +38,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
 # per kernel, each taking (H, HV) (the walk's BV is the stage's); gdn_fwd.s18's windows kernel
 # takes (HV,)
 STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish",
-                 "windows_kernel": "_windows"}
+                 "windows_kernel": "_windows", "chain_kernel": "_chain"}
 IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, shape in PROMOTED]
 
 
@@ -46,10 +49,12 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
 
 def test_solve_groups_value_heads_as_its_stage():
     """The solve's CTAs take gate_free_solve.s06's number of value heads (``cta_heads``): the copy
-    of the kernel above is only the stage's at that number."""
-    stage = load("gate_free_solve", 6)
+    of the kernel above is only the stage's at that number; and the forward runs s08's kernel
+    exactly where gate_free_solve.s09 does."""
+    stage, by_heads = load("gate_free_solve", 6), load("gate_free_solve", 9)
     for H, HV in [(2, 8), (4, 16), (8, 24), (8, 32), (16, 16), (16, 32), (16, 48), (16, 64), (1, 8), (2, 12)]:
         assert fwd.cta_heads(H, HV) == stage.cta_heads(H, HV)
+        assert (fwd.cta_heads(H, HV) <= fwd.SOLVE_TF32_MAX_HEADS) == (by_heads.stage_for(H, HV) is by_heads.TENSOR_CORE)
 
 
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
@@ -88,14 +93,14 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s20's rule, forced or decided."""
-    s20 = load("gdn_fwd", 20)
+    """AutoCP's split per launch is gdn_fwd.s22's rule, forced or decided."""
+    s22 = load("gdn_fwd", 22)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s20.segment_chunks(chunks, hv, sms, step, force)
-    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s22.segment_chunks(chunks, hv, sms, step, force)
+    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 8, 32, 64}
 
 
 def test_a_changed_kernel_is_caught():
@@ -108,13 +113,15 @@ def test_a_changed_kernel_is_caught():
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
     (fwd, "REGS_WARMUP_CHAIN", 232, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
+    (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.BLOCK",
-        "fwd.REGS_WARMUP_CHAIN", "bwd.STAGES",
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.SOLVE_HALF", "fwd.BLOCK",
+        "fwd.REGS_WARMUP_CHAIN", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -162,11 +169,13 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
     (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128 (s16's kernel)
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
-], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid"])
+    (Problem(16, 32, (3000, 700)), False),                          # the tf32 solve (2 heads a CTA)
+    (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
+], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3"])
 def test_forward_is_the_stage_forward(problem, cp):
-    """flashqla.fwd.forward runs gdn_fwd.s20's kernels in s20's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s22's kernels in s22's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 20).forward(**x, cp=cp)
+    want = load("gdn_fwd", 22).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
