@@ -420,13 +420,14 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22],
-                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23],
+                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
-    s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09), with its kernels (and
-    those of the chain it runs) compiled on threads first."""
+    s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 at
+    128 columns a CTA), with its kernels (and those of the chain it runs) compiled on threads
+    first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -536,10 +537,10 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21, 22],
-                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22"])
+@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21, 22, 23],
+                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23"])
 def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
-    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20, s21 and s22 reads ``gated`` at each segment's rows of the whole
+    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20, s21, s22 and s23 reads ``gated`` at each segment's rows of the whole
     sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
     as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
     of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
@@ -634,6 +635,43 @@ def test_s20_warmup_gives_s18s_z_and_m(problem, L, inputs):
     assert torch.equal(z20, z18), "Z differs"
     assert torch.equal(m20, m18), "M differs"
     assert exact[p.slot_warm].any() and z18.abs().sum() > 0 and m18.abs().sum() > 0  # both paths taken
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
+@pytest.mark.parametrize("problem,L", GPU_CASES + [(Problem(2, 8, (9000,)), 100)],
+                         ids=lambda c: getattr(c, "label", str(c)))
+def test_s23_warmup_gives_s20s_z_and_m(problem, L, inputs):
+    """gdn_fwd.s23's warm-up kernel (128 columns a CTA, the state and value warpgroups split)
+    writes every slot's Z and M (NaN before it runs), as s20's (64 columns, one chain warpgroup)
+    does, to fp32 rounding: the same products and row scalings at another tile width, over windows
+    of every kind."""
+    from flashqla.stages import load
+
+    s18, s20, s23 = load("gdn_fwd", 18), load("gdn_fwd", 20), load("gdn_fwd", 23)
+    x = problem.inputs("cuda", seed=4)
+    x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
+    B, T, H, K = x["k"].shape
+    HV = x["g"].shape[2]
+    cu = x["cu_seqlens"]
+    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
+    g_cum = load("chunk_local_cumsum", 1).run(g, cu, C).contiguous()
+    ab, gated = load(*s18.SOLVE).solve(x["k"], beta, g_cum, cu)
+    p = s18.split_plan(cu, B, T, HV, 132, x["q"].device, L, 1.0)
+    win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated)
+    args = (x["k"].view(B * T, H, K), x["v"].view(B * T, HV, K), ab.view(B * T, HV, C), g_cum.view(B * T, HV),
+            gated, win_start, p.slot_start, p.slot_chunk, exact)
+    outs = []
+    for mod in (s20, s23):
+        z = torch.full((win_start.shape[0], HV, K, K), float("nan"), device="cuda")
+        m = torch.full_like(z, float("nan"))
+        mod._compiled(H, HV)(*args, z, m)
+        outs.append((z, m))
+    (z20, m20), (z23, m23) = outs
+    assert not (z23.isnan().any() or m23.isnan().any()), "a tile was not written"
+    assert rel_l2(z23, z20) <= 1e-5 and rel_l2(m23, m20) <= 1e-5, (rel_l2(z23, z20), rel_l2(m23, m20))
+    assert exact[p.slot_warm].any() and z20.abs().sum() > 0 and m20.abs().sum() > 0  # both paths taken
 
 
 @pytest.mark.gpu

@@ -1,0 +1,302 @@
+"""gdn_fwd, stage 23: s22 with AutoCP's phase 1 at all 128 state columns a CTA, the chain split
+over a state and a value warpgroup as in the fused kernel at 128 (gdn_fwd.s16).
+
+What changed from s22: the warm-up kernel (phase 1). s20's, which s22 runs, gives each (slot,
+value head) four CTAs of 64 columns, two of Z and two of M (the M tiles of a warm-up head only
+write zeros), each with the whole chain in one warpgroup, and its 240 + 160 + 24 registers a
+thread leave one CTA an SM. On (2, 8) 1 x 32768 at L 32 that is 512 CTAs of Z walking up to 32
+chunks, about four waves on 132 SMs: 150 us, against 107 for phase 3's 256 CTAs (two waves).
+Here a (slot, value head) has one CTA of Z and one of M, 128 columns each, with four roles
+(``warmup_kernel``):
+
+    state      S (128 x 128 fp32, 128 a thread): its bf16 snapshot for K S, the decay
+               S <- exp(g_C) S while the value warpgroup works, then S <- S + K^T Vd
+    value      U = K S, W = V - diag(exp g) U (V read as 0 for M), V~ = WY W,
+               Vd = diag(exp(g_C - g)) V~ (s16's value warpgroup without the output's copy)
+    wy         WY = Gamma * Ab, a chunk ahead (s20's)
+    producer   TMA loads of K, V (128 columns) and Ab into two stages; g, exp(g), exp(g_C - g)
+
+Half the CTAs, each with twice the columns: the K-side work of a chunk (the operand K, the gates,
+Gamma * Ab) is done once for 128 columns instead of twice, and the chain's three products are
+twice as wide at about the same latency (s16 at 128 took 0.66-0.73x s12's time at 64 per column
+where both ran one wave).
+
+Why (s22's docstring, s20's): phase 1 is the largest part of a split forward that is not level
+with FlashQLA's (150 us of 380 on (2, 8) 1 x 32768; FlashQLA's prepare_h 156 of 391 there, but
+its phase 3 is ours), and the 1 x 8192 problems of few heads, 0.85-0.91x FlashQLA, split at L 8
+or 16, where phase 1 is as long as phase 3.
+
+Measured effect: not yet (needs the GPU tests: Z and M against s20's within fp32 rounding, CP on
+vs off, the public shapes; then ``profiles/split_lab.py`` with PREVIOUS 22 and a rule refit).
+
+Taught in: notebooks/05_autocp.py (to come)
+"""
+
+import functools
+
+import torch
+
+from flashqla import autocp, stages
+from flashqla.hopper import HOPPER_TARGET
+from flashqla.nvtx import nvtx_range
+
+NEEDS = ("hopper",)
+SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "tma_store", "autocp_chain", "gdn_autocp_warmup_wide")
+
+PIPELINE = stages.load("gdn_fwd", 22)   # the solve, the rule, windows, phase 2, phase 3
+CHUNK_SIZE = PIPELINE.CHUNK_SIZE
+HEAD_DIM = PIPELINE.HEAD_DIM
+LOG2E = 1.4426950408889634
+DEFAULT_SHAPE = dict(H=16, HV=32)       # a Qwen3.5 GDN layer (35B, 9B, 4B at TP1)
+# ---- the warm-up's warp roles, one warpgroup each, in thread order
+WARPGROUP = 128
+STATE_END = 1 * WARPGROUP    # [0, 128)   state: owns S; its snapshot, decay and update
+VALUE_END = 2 * WARPGROUP    # [128, 256) value: U = K S, W, V~ = WY W, Vd
+WY_END = 3 * WARPGROUP       # [256, 384) wy: WY = Gamma * Ab, one chunk ahead
+THREADS = 4 * WARPGROUP      # [384, 512) producer: TMA loads of k, v, Ab; the gates
+# ---- their register budgets (setmaxnreg, per thread), within the launch's pool of 4 x 128
+REGS_STATE = 168             # S (128 fp32 a thread)
+REGS_VALUE = 128             # U / W / V~ / Vd (64)
+REGS_WY = 128                # Gamma * Ab, 32 elements a thread
+REGS_PRODUCER = 24           # addresses
+assert REGS_STATE + REGS_VALUE + REGS_WY + REGS_PRODUCER <= 4 * 128
+NUM_STAGES = 2               # tile stages: the producer fills chunk c + 2 once chunk c is consumed
+NUM_HANDOFF = 2              # WY slots: chunk c + 1's is built while the value warpgroup reads c's
+
+
+def warmup_kernel(H: int, HV: int):
+    """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
+    Grid: 2 tiles per (slot, value head), Z's (all V columns) and M's (all K columns); the M tile of
+    a warm-up head, and both tiles of a slot without a window, only write their zeros."""
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
+
+    C, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def gdn_autocp_warmup_wide(
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
+        win_start: T.Tensor((num_slots, HV), "int32"),         # first token of the window
+        slot_start: T.Tensor((num_slots,), "int32"),           # its end: the segment's first token
+        slot_chunk: T.Tensor((num_slots,), "int32"),           # chunk row at the segment's start
+        exact: T.Tensor((num_slots, HV), "int32"),             # 1: M of the window too
+        z: T.Tensor((num_slots, HV, K, V), "float32"),
+        m: T.Tensor((num_slots, HV, K, K), "float32"),
+    ):
+        with T.Kernel(2, HV, num_slots, threads=THREADS) as (i_t, i_hv, i_s):
+            i_h = i_hv // group
+            is_m = i_t == 1                                    # the tile of M (else of Z)
+            take_m = is_m & (exact[i_s, i_hv] != 0)
+            eos = slot_start[i_s]
+            bos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), eos, win_start[i_s, i_hv])
+            # the window's chunks are whole: it ends at a segment start and takes whole chunks
+            # of the previous segment, all of whose chunks are full
+            win_chunks = (eos - bos) // C
+            row0 = slot_chunk[i_s] - win_chunks                # chunk row of the window's first chunk
+
+            # tile stages (producer -> state, value, wy); g holds log2(e) g_cum
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # value, state
+            v_s = T.alloc_shared((NUM_STAGES, C, V), "bfloat16")      # value (W written in place)
+            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # wy
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # wy
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # value: exp(g); state: exp(g_C)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # value: exp(g_C - g)
+            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> value
+            h_s = T.alloc_shared((K, V), "bfloat16")                  # state -> value: S in bf16
+            vd_s = T.alloc_shared((C, V), "bfloat16")                 # value -> state: Vd
+            h_f = T.alloc_fragment((K, V), "float32")                 # the state S, fp32, all along
+            x_f = T.alloc_fragment((C, V), "float32")                 # U, then W, V~, Vd
+            keep = T.alloc_var("int32")                               # this chunk's gated flag
+            # v_s and ab_s are read and written in the accumulator layout
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
+
+            # ---- barriers; arrive counts: every thread of each arriving role arrives once
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)       # producer -> all
+            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # wy -> value
+            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # value -> wy
+            bar_state_ready = T.alloc_barrier(WARPGROUP)                     # state -> value
+            bar_vd_ready = T.alloc_barrier(WARPGROUP)                        # value -> state
+
+            tx = T.get_thread_binding()
+            if tx < STATE_END:  # ---- the state warpgroup
+                T.set_max_nreg(REGS_STATE, 1)
+                # S <- I for the M tile of an exact head, else 0
+                for d, j in T.Parallel(K, V):
+                    h_f[d, j] = T.if_then_else(take_m & (d == j), 1.0, 0.0)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    # S_c -> bf16, the operand of K S_c; h_s is free: the value warpgroup read
+                    # S_{c-1} before it handed Vd_{c-1} over
+                    T.copy(h_f, h_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_state_ready)
+                    # S <- exp(g_C) S while the value warpgroup builds Vd
+                    for i, j in T.Parallel(K, V):
+                        h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
+                    # S <- S + K^T Vd
+                    T.barrier_wait(bar_vd_ready, c % 2)
+                    T.gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
+                    T.barrier_arrive(bar_tiles_empty[s])
+                # Z or M <- S
+                if is_m:
+                    T.copy(h_f, m[i_s, i_hv, :, :])
+                else:
+                    T.copy(h_f, z[i_s, i_hv, :, :])
+
+            elif tx >= STATE_END and tx < VALUE_END:  # ---- the value warpgroup
+                T.set_max_nreg(REGS_VALUE, 1)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_state_ready, c % 2)
+                    # U <- K S_c
+                    T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                    # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone), in place
+                    for i, j in T.Parallel(C, V):
+                        x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
+                    T.copy(x_f, v_s[s, :, :])
+                    T.fence_proxy_async()
+                    # V~ <- WY W, WY from the wy warpgroup; its slot is free once this returns
+                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
+                    T.gemm(wy_s[b, :, :], v_s[s, :, :], x_f, clear_accum=True)
+                    T.barrier_arrive(bar_wy_free[b])
+                    # Vd <- diag(exp(g_C - g)) V~ -> vd_shared (the state has read Vd_{c-1}: it
+                    # handed S_c over after its update)
+                    for i, j in T.Parallel(C, V):
+                        x_f[i, j] = x_f[i, j] * egd_s[s, i]
+                    T.copy(x_f, vd_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_vd_ready)
+                    T.barrier_arrive(bar_tiles_empty[s])
+
+            elif tx >= VALUE_END and tx < WY_END:  # ---- the wy warpgroup
+                T.set_max_nreg(REGS_WY, 1)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    keep = gated[row0 + c, i_hv]
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_wy_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    # WY <- Gamma * Ab on j <= i (Ab as stored for a gated chunk), 0 above; the
+                    # exponent clamped at 0 so that the masked upper triangle stays finite
+                    for i, j in T.Parallel(C, C):
+                        wy_s[b, i, j] = T.if_then_else(
+                            j <= i,
+                            ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))),
+                            0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_wy_ready[b])
+                    T.barrier_arrive(bar_tiles_empty[s])
+
+            elif tx >= WY_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    t0 = bos + c * C
+                    T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
+                    T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, :], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
+                    # g <- log2(e) g_cum (whole chunks: no padding); the row factors exp(g_i) and
+                    # exp(g_C - g_i) (exp(g_C) is the last of the first)
+                    for i in T.Parallel(C):
+                        g_s[s, i] = g_cum[t0 + i, i_hv] * LOG2E
+                    for i in T.Parallel(C):
+                        eg_s[s, i] = T.exp2(g_s[s, i])
+                        egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
+                    T.barrier_arrive(bar_tiles_full[s])
+
+    return gdn_autocp_warmup_wide
+
+
+@functools.cache
+def _compiled(H: int, HV: int):
+    import tilelang
+
+    # as the fused kernels: no shared-memory reuse (the planner treats the role branches as
+    # sequential); fast math (exp2 is one ex2.approx)
+    return tilelang.compile(warmup_kernel(H, HV), target=HOPPER_TARGET,
+                            pass_configs={"tl.disable_shared_memory_reuse": True,
+                                          "tl.enable_fast_math": True})
+
+
+def kernel_source() -> str:
+    """The CUDA C++ generated for sm_90a at the default shape: the wide warm-up kernel, then s22's
+    kernels."""
+    return _compiled(**DEFAULT_SHAPE).get_kernel_source() + PIPELINE.kernel_source()
+
+
+def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+    """s22's ``forward`` (its rule, ``cp`` as there) with this stage's phase 1."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+    g, beta = (x.to(torch.float32).contiguous() for x in (g, beta))
+    s21 = PIPELINE.PIPELINE
+    s18 = s21.PIPELINE.PIPELINE
+    g_cum = stages.load("chunk_local_cumsum", 1).run(g, cu_seqlens, CHUNK_SIZE).contiguous()
+    ab, gated = stages.load(*PIPELINE.SOLVE).solve(k, beta, g_cum, cu_seqlens)
+    sms = autocp.num_sms(device)
+    widths, fused = s18.WIDTHS, s18.PIPELINE
+    BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
+    p = PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
+    if p is None:
+        o, ht = fused._fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths)
+        return o, (ht if output_final_state else None)
+
+    N, J = p.num_seqs, p.max_segments
+    fp32 = dict(dtype=torch.float32, device=device)
+    h0 = (torch.zeros(N, HV, K, V, **fp32) if initial_state is None
+          else initial_state.to(**fp32).contiguous())
+    z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+    # windows (s18's), then phase 1 (this stage's)
+    win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV),
+                                   gated, threshold)
+    with nvtx_range("gdn_fwd.s23"):
+        _compiled(H, HV)(k.view(B * T, H, K), v.view(B * T, HV, V), ab.view(B * T, HV, CHUNK_SIZE),
+                         g_cum.view(B * T, HV), gated, win_start, p.slot_start, p.slot_chunk, exact, z, m)
+    # phase 2, one launch (s21's): the initial state of every segment row
+    h_seg = s21.segment_initial_states(p, h0, z, m)
+    # phase 3: the fused kernel over all segments (of equal length), each from its own state
+    rows = p.bounds.shape[0] - 1
+    o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
+    ht = torch.empty(h_seg.shape, **fp32)
+    BV = fused.block_v([1] * rows, HV, V, sms, widths.step)
+    with nvtx_range("gdn_fwd.s23"):
+        stages.load(*widths.kernels[BV])._compiled(H, HV, K, V, BV)(
+            q.view(B * T, H, K), k.view(B * T, H, K), v.view(B * T, HV, V),
+            ab.view(B * T, HV, CHUNK_SIZE), g_cum.view(B * T, HV), gated,
+            h_seg, p.bounds, p.first_chunk, scale, o, ht)
+    return o.view(B, T, HV, V), (ht.index_select(0, p.last_segment) if output_final_state else None)
+
+
+def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The chunked GDN forward (``flashqla.reference.chunk_gated_delta_rule_ref``) -> (o, final state)."""
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"gdn_fwd.s23: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    if K != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s23: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
+    if V != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s23: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
+    if HV % H:
+        raise ValueError(f"gdn_fwd.s23: `v` must have a number of value heads HV that is a "
+                         f"multiple of the H = {H} heads of q; got HV = {HV}")
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
