@@ -638,3 +638,45 @@ for label, t in sweep21.items():
 # it is now at least FlashQLA's speed on 19 of the 38 problems where FlashQLA's timing is sound
 # (geomean 1.08x FlashQLA over all 40, 2.03x FLA). Still behind: the 1 x 8192 of few heads
 # (0.85-0.91x), where a warm-up chunk costs 4.7 us against phase 3's 3.3.
+
+# %% [markdown]
+# ## 11. Phase 1 on the state/value split: `gdn_fwd.s23` (not measured yet)
+#
+# Why does a warm-up chunk cost more than a phase-3 chunk? Count the long CTAs. A decaying
+# head's window is about one chunk here (the benchmark's heads decay by about 0.18 or 2.2 a token,
+# so $-10$ is reached within 64 tokens); only exact heads ($g = 0$, a quarter of the heads) walk
+# the whole previous segment, for $Z$ and for $M$. s20 gives a (slot, head) four CTAs of 64
+# columns (two of $Z$, two of $M$), one CTA an SM (`__launch_bounds__(384, 1)`).
+
+# %%
+print(f"{'problem':22s} {'L':>4s} {'slots':>6s} {'long CTAs':>10s} {'on 132 SMs':>11s}")
+for label, t in sweep21.items():
+    _, hv, lens = bench.heads_and_lengths(label)
+    chunks = [-(-n // C) for n in lens]
+    step = s18.WIDTHS.step[s18.PIPELINE.block_v(chunks, hv, 128, 132, s18.WIDTHS.step)]
+    L = s22.segment_chunks(chunks, hv, 132, step)
+    if not L:
+        continue
+    slots = sum(-(-c // L) for c in chunks) - len(chunks)   # every segment but a sequence's first
+    long_ctas = 4 * slots * (hv // 4)                        # Z and M tiles of the exact heads
+    print(f"{bench.short_label(label):22s} {L:4d} {slots:6d} {long_ctas:10d} {'one wave':>11s}")
+    assert long_ctas <= 132
+
+# %% [markdown]
+# So phase 1 takes $L$ times the chain's latency a chunk: 150 us / 32 = 4.7 us on (2, 8) 1 x 32768
+# and 260 / 64 = 4.1 on (16, 16) (s20's docstring), where phase 3's CTAs take 1.7 us a chunk
+# (107 us for two waves of 32). Phase 3's chain is split over a state warpgroup, which owns $S$
+# and decays it while the value warpgroup builds $\tilde V$; s20's runs in one warpgroup, and
+# ptxas serializes its decay behind the $KS$ wgmma (its C7517 note: a `warpgroup.wait` injected).
+# s23 keeps s20's tiles and gives phase 1 phase 3's roles (plus s20's wy warpgroup):
+
+# %%
+s23 = load("gdn_fwd", 23)
+print(inspect.getsource(s23.warmup_kernel).split("tx = T.get_thread_binding()")[1].split("elif tx >= VALUE_END")[0])
+assert "__launch_bounds__(384, 1)" in s20._compiled(2, 8).get_kernel_source()
+assert "__launch_bounds__(512, 1)" in s23._compiled(2, 8).get_kernel_source()
+
+# %% [markdown]
+# ptxas gives it 128 registers at launch, no spills and no C7517 note. Its GPU tests (its $Z$ and
+# $M$ against s20's, CP on against off, the public shapes) and its timing come next; until then it
+# is not promoted.

@@ -425,8 +425,8 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
-    s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 at
-    128 columns a CTA), with its kernels (and those of the chain it runs) compiled on threads
+    s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 on
+    the state/value split), with its kernels (and those of the chain it runs) compiled on threads
     first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
@@ -643,10 +643,11 @@ def test_s20_warmup_gives_s18s_z_and_m(problem, L, inputs):
 @pytest.mark.parametrize("problem,L", GPU_CASES + [(Problem(2, 8, (9000,)), 100)],
                          ids=lambda c: getattr(c, "label", str(c)))
 def test_s23_warmup_gives_s20s_z_and_m(problem, L, inputs):
-    """gdn_fwd.s23's warm-up kernel (128 columns a CTA, the state and value warpgroups split)
-    writes every slot's Z and M (NaN before it runs), as s20's (64 columns, one chain warpgroup)
-    does, to fp32 rounding: the same products and row scalings at another tile width, over windows
-    of every kind."""
+    """gdn_fwd.s23's warm-up kernel (the chain split over a state and a value warpgroup, fast math)
+    writes every slot's Z and M (NaN before it runs) as s20's (one chain warpgroup) does, up to
+    rounding: its exponentials are ex2.approx, so a few bf16 snapshots of S round the other way.
+    Bound: a bf16 half-ulp of S, 2^-9, relative L2; a wrong tile, column or chunk is off by O(1).
+    (The forward's error head by head against float64 is ``test_cp_on_matches_cp_off``.)"""
     from flashqla.stages import load
 
     s18, s20, s23 = load("gdn_fwd", 18), load("gdn_fwd", 20), load("gdn_fwd", 23)
@@ -670,7 +671,7 @@ def test_s23_warmup_gives_s20s_z_and_m(problem, L, inputs):
         outs.append((z, m))
     (z20, m20), (z23, m23) = outs
     assert not (z23.isnan().any() or m23.isnan().any()), "a tile was not written"
-    assert rel_l2(z23, z20) <= 1e-5 and rel_l2(m23, m20) <= 1e-5, (rel_l2(z23, z20), rel_l2(m23, m20))
+    assert rel_l2(z23, z20) <= 2 ** -9 and rel_l2(m23, m20) <= 2 ** -9, (rel_l2(z23, z20), rel_l2(m23, m20))
     assert exact[p.slot_warm].any() and z20.abs().sum() > 0 and m20.abs().sum() > 0  # both paths taken
 
 

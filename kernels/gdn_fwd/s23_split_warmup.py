@@ -1,35 +1,34 @@
-"""gdn_fwd, stage 23: s22 with AutoCP's phase 1 at all 128 state columns a CTA, the chain split
-over a state and a value warpgroup as in the fused kernel at 128 (gdn_fwd.s16).
+"""gdn_fwd, stage 23: s22 with AutoCP's phase 1 on the fused kernel's split of the chain: a state
+warpgroup owns S, a value warpgroup builds V~ (gdn_fwd.s14 / s16's roles), plus s20's wy warpgroup.
 
-What changed from s22: the warm-up kernel (phase 1). s20's, which s22 runs, gives each (slot,
-value head) four CTAs of 64 columns, two of Z and two of M (the M tiles of a warm-up head only
-write zeros), each with the whole chain in one warpgroup, and its 240 + 160 + 24 registers a
-thread leave one CTA an SM. On (2, 8) 1 x 32768 at L 32 that is 512 CTAs of Z walking up to 32
-chunks, about four waves on 132 SMs: 150 us, against 107 for phase 3's 256 CTAs (two waves).
-Here a (slot, value head) has one CTA of Z and one of M, 128 columns each, with four roles
+What changed from s22: the warm-up kernel (phase 1). Its tiles are s20's (four CTAs of 64 columns
+per (slot, value head): two of Z, two of M); its roles are four instead of three
 (``warmup_kernel``):
 
-    state      S (128 x 128 fp32, 128 a thread): its bf16 snapshot for K S, the decay
-               S <- exp(g_C) S while the value warpgroup works, then S <- S + K^T Vd
+    state      S (128 x 64 fp32): its bf16 snapshot for K S, the decay S <- exp(g_C) S while
+               the value warpgroup works, then S <- S + K^T Vd
     value      U = K S, W = V - diag(exp g) U (V read as 0 for M), V~ = WY W,
                Vd = diag(exp(g_C - g)) V~ (s16's value warpgroup without the output's copy)
     wy         WY = Gamma * Ab, a chunk ahead (s20's)
-    producer   TMA loads of K, V (128 columns) and Ab into two stages; g, exp(g), exp(g_C - g)
+    producer   TMA loads of K, V and Ab into two stages; g, exp(g), exp(g_C - g)
 
-Half the CTAs, each with twice the columns: the K-side work of a chunk (the operand K, the gates,
-Gamma * Ab) is done once for 128 columns instead of twice, and the chain's three products are
-twice as wide at about the same latency (s16 at 128 took 0.66-0.73x s12's time at 64 per column
-where both ran one wave).
+It compiles as the fused kernels do: fast math, and no shared-memory reuse across roles (s20
+compiled with TileLang's defaults).
 
-Why (s22's docstring, s20's): phase 1 is the largest part of a split forward that is not level
-with FlashQLA's (150 us of 380 on (2, 8) 1 x 32768; FlashQLA's prepare_h 156 of 391 there, but
-its phase 3 is ours), and the 1 x 8192 problems of few heads, 0.85-0.91x FlashQLA, split at L 8
-or 16, where phase 1 is as long as phase 3.
+Why: phase 1 is one wave of long CTAs. The windows of decaying heads are about a chunk (the
+benchmark's inputs: g near -2.2 or -0.18 a token), and only exact heads (g = 0, a quarter of them)
+walk the whole previous segment, Z and M alike: on every split problem of the sweep, at most 120
+CTAs of L chunks (notebook 05, section 11). So phase 1 takes L times the chain's latency a chunk:
+150 us / 32 = 4.7 us on (2, 8) 1 x 32768, 260 / 64 = 4.1 on (16, 16) (s20's docstring), against
+1.7 us a CTA-chunk in phase 3 (107 us for two waves of 32 chunks), whose chain is split this way.
+s20's chain runs K S, W, WY W, Vd and K^T Vd in one warpgroup, and ptxas serializes its decay
+behind the K S wgmma (C7517: a warpgroup.wait injected). Here ptxas gives the kernel 128
+registers at launch, no spills and no such warning.
 
 Measured effect: not yet (needs the GPU tests: Z and M against s20's within fp32 rounding, CP on
-vs off, the public shapes; then ``profiles/split_lab.py`` with PREVIOUS 22 and a rule refit).
+vs off, the public shapes; then the per-kernel times and a split sweep).
 
-Taught in: notebooks/05_autocp.py (to come)
+Taught in: notebooks/05_autocp.py (section 11)
 """
 
 import functools
@@ -41,13 +40,14 @@ from flashqla.hopper import HOPPER_TARGET
 from flashqla.nvtx import nvtx_range
 
 NEEDS = ("hopper",)
-SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "tma_store", "autocp_chain", "gdn_autocp_warmup_wide")
+SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "tma_store", "autocp_chain", "gdn_autocp_warmup_split")
 
 PIPELINE = stages.load("gdn_fwd", 22)   # the solve, the rule, windows, phase 2, phase 3
 CHUNK_SIZE = PIPELINE.CHUNK_SIZE
 HEAD_DIM = PIPELINE.HEAD_DIM
 LOG2E = 1.4426950408889634
 DEFAULT_SHAPE = dict(H=16, HV=32)       # a Qwen3.5 GDN layer (35B, 9B, 4B at TP1)
+BLOCK = 64                              # state columns per CTA (a Z or an M tile), as s20
 # ---- the warm-up's warp roles, one warpgroup each, in thread order
 WARPGROUP = 128
 STATE_END = 1 * WARPGROUP    # [0, 128)   state: owns S; its snapshot, decay and update
@@ -55,8 +55,8 @@ VALUE_END = 2 * WARPGROUP    # [128, 256) value: U = K S, W, V~ = WY W, Vd
 WY_END = 3 * WARPGROUP       # [256, 384) wy: WY = Gamma * Ab, one chunk ahead
 THREADS = 4 * WARPGROUP      # [384, 512) producer: TMA loads of k, v, Ab; the gates
 # ---- their register budgets (setmaxnreg, per thread), within the launch's pool of 4 x 128
-REGS_STATE = 168             # S (128 fp32 a thread)
-REGS_VALUE = 128             # U / W / V~ / Vd (64)
+REGS_STATE = 168             # S (64 fp32 a thread)
+REGS_VALUE = 128             # U / W / V~ / Vd (32)
 REGS_WY = 128                # Gamma * Ab, 32 elements a thread
 REGS_PRODUCER = 24           # addresses
 assert REGS_STATE + REGS_VALUE + REGS_WY + REGS_PRODUCER <= 4 * 128
@@ -66,19 +66,19 @@ NUM_HANDOFF = 2              # WY slots: chunk c + 1's is built while the value 
 
 def warmup_kernel(H: int, HV: int):
     """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
-    Grid: 2 tiles per (slot, value head), Z's (all V columns) and M's (all K columns); the M tile of
-    a warm-up head, and both tiles of a slot without a window, only write their zeros."""
+    Grid: (V + K) / BV column tiles per (slot, value head), V / BV of Z, K / BV of M (s20's); an M
+    tile of a warm-up head, and every tile of a slot without a window, only writes its zeros."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
-    C, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
+    C, K, V, BV = CHUNK_SIZE, HEAD_DIM, HEAD_DIM, BLOCK
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def gdn_autocp_warmup_wide(
+    def gdn_autocp_warmup_split(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
@@ -91,10 +91,11 @@ def warmup_kernel(H: int, HV: int):
         z: T.Tensor((num_slots, HV, K, V), "float32"),
         m: T.Tensor((num_slots, HV, K, K), "float32"),
     ):
-        with T.Kernel(2, HV, num_slots, threads=THREADS) as (i_t, i_hv, i_s):
+        with T.Kernel((V + K) // BV, HV, num_slots, threads=THREADS) as (i_t, i_hv, i_s):
             i_h = i_hv // group
-            is_m = i_t == 1                                    # the tile of M (else of Z)
+            is_m = i_t >= V // BV                              # a tile of M (else of Z)
             take_m = is_m & (exact[i_s, i_hv] != 0)
+            c0 = (i_t % (V // BV)) * BV                        # its columns (K = V)
             eos = slot_start[i_s]
             bos = T.if_then_else(is_m & (exact[i_s, i_hv] == 0), eos, win_start[i_s, i_hv])
             # the window's chunks are whole: it ends at a segment start and takes whole chunks
@@ -104,16 +105,16 @@ def warmup_kernel(H: int, HV: int):
 
             # tile stages (producer -> state, value, wy); g holds log2(e) g_cum
             k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # value, state
-            v_s = T.alloc_shared((NUM_STAGES, C, V), "bfloat16")      # value (W written in place)
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # value (W written in place)
             ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # wy
             g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # wy
             eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # value: exp(g); state: exp(g_C)
             egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # value: exp(g_C - g)
             wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> value
-            h_s = T.alloc_shared((K, V), "bfloat16")                  # state -> value: S in bf16
-            vd_s = T.alloc_shared((C, V), "bfloat16")                 # value -> state: Vd
-            h_f = T.alloc_fragment((K, V), "float32")                 # the state S, fp32, all along
-            x_f = T.alloc_fragment((C, V), "float32")                 # U, then W, V~, Vd
+            h_s = T.alloc_shared((K, BV), "bfloat16")                 # state -> value: S in bf16
+            vd_s = T.alloc_shared((C, BV), "bfloat16")                # value -> state: Vd
+            h_f = T.alloc_fragment((K, BV), "float32")                # the state S, fp32, all along
+            x_f = T.alloc_fragment((C, BV), "float32")                # U, then W, V~, Vd
             keep = T.alloc_var("int32")                               # this chunk's gated flag
             # v_s and ab_s are read and written in the accumulator layout
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
@@ -130,9 +131,9 @@ def warmup_kernel(H: int, HV: int):
             tx = T.get_thread_binding()
             if tx < STATE_END:  # ---- the state warpgroup
                 T.set_max_nreg(REGS_STATE, 1)
-                # S <- I for the M tile of an exact head, else 0
-                for d, j in T.Parallel(K, V):
-                    h_f[d, j] = T.if_then_else(take_m & (d == j), 1.0, 0.0)
+                # S <- columns c0.. of I for M tiles of exact heads, else 0
+                for d, j in T.Parallel(K, BV):
+                    h_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
@@ -142,17 +143,17 @@ def warmup_kernel(H: int, HV: int):
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_state_ready)
                     # S <- exp(g_C) S while the value warpgroup builds Vd
-                    for i, j in T.Parallel(K, V):
+                    for i, j in T.Parallel(K, BV):
                         h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
                     # S <- S + K^T Vd
                     T.barrier_wait(bar_vd_ready, c % 2)
                     T.gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
                     T.barrier_arrive(bar_tiles_empty[s])
-                # Z or M <- S
+                # Z or M tile <- S
                 if is_m:
-                    T.copy(h_f, m[i_s, i_hv, :, :])
+                    T.copy(h_f, m[i_s, i_hv, :, c0:c0 + BV])
                 else:
-                    T.copy(h_f, z[i_s, i_hv, :, :])
+                    T.copy(h_f, z[i_s, i_hv, :, c0:c0 + BV])
 
             elif tx >= STATE_END and tx < VALUE_END:  # ---- the value warpgroup
                 T.set_max_nreg(REGS_VALUE, 1)
@@ -164,7 +165,7 @@ def warmup_kernel(H: int, HV: int):
                     # U <- K S_c
                     T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
                     # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone), in place
-                    for i, j in T.Parallel(C, V):
+                    for i, j in T.Parallel(C, BV):
                         x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
                     T.copy(x_f, v_s[s, :, :])
                     T.fence_proxy_async()
@@ -174,7 +175,7 @@ def warmup_kernel(H: int, HV: int):
                     T.barrier_arrive(bar_wy_free[b])
                     # Vd <- diag(exp(g_C - g)) V~ -> vd_shared (the state has read Vd_{c-1}: it
                     # handed S_c over after its update)
-                    for i, j in T.Parallel(C, V):
+                    for i, j in T.Parallel(C, BV):
                         x_f[i, j] = x_f[i, j] * egd_s[s, i]
                     T.copy(x_f, vd_s)
                     T.fence_proxy_async()
@@ -207,7 +208,7 @@ def warmup_kernel(H: int, HV: int):
                     t0 = bos + c * C
                     T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
                     T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
-                    T.tma_copy(v[t0:t0 + C, i_hv, :], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
                     # g <- log2(e) g_cum (whole chunks: no padding); the row factors exp(g_i) and
                     # exp(g_C - g_i) (exp(g_C) is the last of the first)
@@ -218,7 +219,7 @@ def warmup_kernel(H: int, HV: int):
                         egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
                     T.barrier_arrive(bar_tiles_full[s])
 
-    return gdn_autocp_warmup_wide
+    return gdn_autocp_warmup_split
 
 
 @functools.cache
@@ -233,7 +234,7 @@ def _compiled(H: int, HV: int):
 
 
 def kernel_source() -> str:
-    """The CUDA C++ generated for sm_90a at the default shape: the wide warm-up kernel, then s22's
+    """The CUDA C++ generated for sm_90a at the default shape: the split warm-up kernel, then s22's
     kernels."""
     return _compiled(**DEFAULT_SHAPE).get_kernel_source() + PIPELINE.kernel_source()
 
