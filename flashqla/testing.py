@@ -17,6 +17,7 @@ ulp, the error of merely storing a value in bf16, for outputs whose bf16 error h
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -220,8 +221,9 @@ def check_op(op: str, fn, inputs: dict, factor: float = TOLERANCE_FACTOR) -> lis
     return checks
 
 
-def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> None:
-    """Run every stage once per head configuration on a tiny problem, many at a time.
+def run_on_threads(calls, workers: int = 16) -> None:
+    """Run each call (a function of no arguments, its inputs made on this thread: torch's lazy
+    inits are not thread-safe) once, many at a time.
 
     TileLang compiles each new kernel shape on its first call (5-40 s, mostly in nvcc, which runs
     outside the GIL), so compiling them on threads before a GPU test or benchmark run takes the
@@ -229,15 +231,22 @@ def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> Non
     """
     import tilelang  # noqa: F401 -- imported once here: importing it on several threads at once fails
 
-    jobs = [(s, op_inputs(s.op, Problem(H, HV, (70,)).inputs(device)))  # serially: torch's lazy
-            for s in stages if not s.missing() for H, HV in heads]        # inits are not thread-safe
-    runs_triton = [("fla" in stage.module.NEEDS) for stage, _ in jobs]  # Triton's autotuner is
-    for (stage, inputs), serial in zip(jobs, runs_triton):                # not thread-safe
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda call: call(), calls))
+
+
+def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> None:
+    """Run every stage once per head configuration on a tiny problem, many at a time
+    (``run_on_threads``), the stages that run Triton first, one at a time (its autotuner is not
+    thread-safe)."""
+    jobs = [(s, op_inputs(s.op, Problem(H, HV, (70,)).inputs(device)))
+            for s in stages if not s.missing() for H, HV in heads]
+    runs_triton = [("fla" in stage.module.NEEDS) for stage, _ in jobs]
+    for (stage, inputs), serial in zip(jobs, runs_triton):
         if serial:
             stage.module.run(**inputs)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda job: job[0].module.run(**job[1]),
-                      [job for job, serial in zip(jobs, runs_triton) if not serial]))
+    run_on_threads([functools.partial(job[0].module.run, **job[1])
+                    for job, serial in zip(jobs, runs_triton) if not serial], workers)
 
 
 # ---- adversarial inputs for the gate-free solve (gdn_fwd.s04, tests/test_reformulation.py, notebook 04)

@@ -2,7 +2,7 @@
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/ncu_lab.py profile STAGE_ID OUT.csv [--commit SHA]
+    python3 profiles/ncu_lab.py profile STAGE_ID OUT.csv [--commit SHA] [--problem H,HV,LEN[+LEN...]]
 
 STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``, or
 ``FlashQLA`` for the peer's forward (its kernels, inside an NVTX range of that name). The
@@ -11,7 +11,8 @@ STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chu
     ncu --nvtx --nvtx-include "flashqla@STAGE_ID/" --profile-from-start off --clock-control none
         --csv --page raw --section ... --metrics ... python3 profiles/ncu_lab.py target STAGE_ID
 
-The ``target`` step builds the problem PROBLEM_ARGS, takes the stage's op inputs
+The ``target`` step builds the problem (PROBLEM_ARGS, or ``--problem``: e.g. ``2,8,32768``, which
+AutoCP splits, for the warm-up and chaining kernels), takes the stage's op inputs
 (``flashqla.testing.op_inputs``) and calls ``stage.module.run`` twice: the first call compiles
 (TileLang) or autotunes (Triton) outside the profiled window; only the second lies between
 ``cudaProfilerStart`` and ``cudaProfilerStop``. So ncu profiles every kernel launched inside the
@@ -96,7 +97,15 @@ def flashqla_peer(**inputs):
         return flash_qla.chunk_gated_delta_rule(**inputs)
 
 
-def target(stage_id: str) -> None:
+def parse_problem(text: str | None) -> tuple:
+    """``H,HV,LEN[+LEN...]`` -> ``flashqla.testing.Problem``'s (H, HV, lengths); None: PROBLEM_ARGS."""
+    if text is None:
+        return PROBLEM_ARGS
+    H, HV, lengths = text.split(",")
+    return int(H), int(HV), tuple(int(n) for n in lengths.split("+"))
+
+
+def target(stage_id: str, problem: str | None) -> None:
     """The profiled process: one untimed call, then one call inside the profiler window."""
     import torch
 
@@ -107,7 +116,7 @@ def target(stage_id: str) -> None:
     else:
         stage = find_stage(stage_id)
         op, run = stage.op, stage.module.run
-    inputs = op_inputs(op, Problem(*PROBLEM_ARGS).inputs("cuda"))
+    inputs = op_inputs(op, Problem(*parse_problem(problem)).inputs("cuda"))
     run(**inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
@@ -116,13 +125,13 @@ def target(stage_id: str) -> None:
     torch.cuda.profiler.stop()
 
 
-def ncu_command(stage_id: str, log: str) -> list[str]:
+def ncu_command(stage_id: str, log: str, problem: str | None) -> list[str]:
     sections = [arg for name in SECTIONS for arg in ("--section", name)]
     return ["ncu", "--nvtx", "--nvtx-include", f"flashqla@{stage_id}/",
             "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw",
             "--print-units", "base", "--print-kernel-base", "function", *sections,
             "--metrics", ",".join(METRICS), "--log-file", log,
-            sys.executable, __file__, "target", stage_id]
+            sys.executable, __file__, "target", stage_id, *(["--problem", problem] if problem else [])]
 
 
 def parse_raw(text: str) -> list[dict]:
@@ -156,9 +165,9 @@ def summarize(stage_id: str, raw: dict) -> dict:
                 stalls="; ".join(f"{name} {v:.2f}" for v, name in stalls[:3]))
 
 
-def profile(stage_id: str, out_csv: str, commit: str) -> None:
+def profile(stage_id: str, out_csv: str, commit: str, problem: str | None) -> None:
     with tempfile.NamedTemporaryFile(suffix=".csv") as log:
-        subprocess.run(ncu_command(stage_id, log.name), check=True)
+        subprocess.run(ncu_command(stage_id, log.name, problem), check=True)
         kernels = parse_raw(Path(log.name).read_text())
     if not kernels:
         raise SystemExit(f"ncu_lab: ncu profiled no kernel inside the NVTX range `{stage_id}`")
@@ -171,7 +180,7 @@ def profile(stage_id: str, out_csv: str, commit: str) -> None:
         ["ncu", "--version"], capture_output=True, text=True).stdout.splitlines()
         if line.startswith("Version"))
     tflops_roof, gbs_roof = roofs()
-    provenance = dict(**versions(commit), ncu=ncu_version, problem=Problem(*PROBLEM_ARGS).label,
+    provenance = dict(**versions(commit), ncu=ncu_version, problem=Problem(*parse_problem(problem)).label,
                       copy_roof_gbs=round(gbs_roof), bf16_roof_tflops=round(tflops_roof))
     with open(out_csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) + list(provenance))
@@ -239,14 +248,17 @@ def main() -> None:
     p.add_argument("stage_id")
     p.add_argument("out_csv")
     p.add_argument("--commit", default="unknown")
-    sub.add_parser("target", help="the process ncu profiles").add_argument("stage_id")
+    p.add_argument("--problem", help="H,HV,LEN[+LEN...] (default: PROBLEM_ARGS)")
+    t = sub.add_parser("target", help="the process ncu profiles")
+    t.add_argument("stage_id")
+    t.add_argument("--problem")
     r = sub.add_parser("report", help="draw the roofline from CSVs (any machine)")
     r.add_argument("paths", nargs="+", metavar="IN.csv ... OUT.png")
     args = parser.parse_args()
     if args.mode == "profile":
-        profile(args.stage_id, args.out_csv, args.commit)
+        profile(args.stage_id, args.out_csv, args.commit, args.problem)
     elif args.mode == "target":
-        target(args.stage_id)
+        target(args.stage_id, args.problem)
     else:
         report(args.paths[:-1], args.paths[-1])
 

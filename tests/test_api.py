@@ -222,18 +222,20 @@ KERNEL_PATH_PROBLEMS = [Problem(4, 16, (1, 200, 777, 64, 130)), Problem(16, 16, 
 @pytest.fixture(scope="module")
 def compiled_kernels():
     """Compile the forward's and the backward's kernels for the heads of the tests below, in parallel."""
-    import concurrent.futures
-
     from flashqla import bwd, fwd
+    from flashqla.testing import run_on_threads
+
+    def solve(H, HV):  # the forward's choice (gate_free_solve.s09)
+        R = fwd.cta_heads(H, HV)
+        return fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
-        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.gate_free_solve_kernel, H, HV, fwd.cta_heads(H, HV)),
+        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, solve(H, HV), H, HV, fwd.cta_heads(H, HV)),
         *((fwd, fwd.fused_reform_kernel, H, HV, 128, 128, bv) for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V)),
         (bwd, bwd.walk_kernel, H, HV, bwd.BV),
         *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
                                     bwd.finish_kernel)))]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # each module's cache, with its options
-        list(pool.map(lambda job: job[0]._compiled(*job[1:]), jobs))
+    run_on_threads([lambda job=job: job[0]._compiled(*job[1:]) for job in jobs])  # each module's cache
 
 
 def _api_grads(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):

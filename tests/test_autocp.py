@@ -12,7 +12,7 @@ off (each head's error against float64), varlen with many segments, bitwise dete
 CUDA-graph capture and replay of the whole forward.
 """
 
-import concurrent.futures
+import functools
 import math
 
 import pytest
@@ -22,7 +22,7 @@ from flashqla import autocp, bench
 from flashqla import reference as ref
 from flashqla.varlen import chunk_table
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
-                              rel_l2)
+                              rel_l2, run_on_threads)
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -432,9 +432,8 @@ def stage(request):
     from flashqla.testing import PUBLIC_HEADS
 
     mod = load("gdn_fwd", request.param)
-    small = [Problem(H, HV, (700,)).inputs("cuda") for H, HV in PUBLIC_HEADS]  # serially (torch init)
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda x: mod.forward(**x, cp=2), small))
+    run_on_threads([functools.partial(mod.forward, **Problem(H, HV, (700,)).inputs("cuda"), cp=2)
+                    for H, HV in PUBLIC_HEADS])
     return mod
 
 

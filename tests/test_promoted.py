@@ -3,6 +3,7 @@ same TileLang program as the stage it was promoted from and is compiled with the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
 gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s22) gives."""
 
+import functools
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from flashqla import autocp, bwd, fwd
 from flashqla.api import kernel_unsupported
 from flashqla.stages import load
-from flashqla.testing import Problem, check_op
+from flashqla.testing import Problem, check_op, run_on_threads
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
@@ -144,6 +145,20 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
     assert reason is None if why is None else why in reason
 
 
+@pytest.fixture(scope="module")
+def compiled_forwards():
+    """The library's forward and gdn_fwd.s22's, compiled on threads for the heads of the GPU tests
+    below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
+    chaining)."""
+    s22 = load("gdn_fwd", 22)
+    calls = []
+    for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16)):
+        for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2)):
+            x = Problem(H, HV, lengths).inputs("cuda")
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s22.forward)]
+    run_on_threads(calls)
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem, cp", [
@@ -151,7 +166,7 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, empty segment rows
     (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
 ], ids=["auto", "varlen-L4", "no-h0-L2"])
-def test_forward_with_autocp_within_the_bound(problem, cp):
+def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     """The library's forward split by AutoCP (the windows and warm-up kernels, the chaining, the
     fused kernel over segments) passes the gdn_fwd check against float64."""
     x = problem.inputs("cuda", seed=1)
@@ -172,7 +187,7 @@ def test_forward_with_autocp_within_the_bound(problem, cp):
     (Problem(16, 32, (3000, 700)), False),                          # the tf32 solve (2 heads a CTA)
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3"])
-def test_forward_is_the_stage_forward(problem, cp):
+def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
     """flashqla.fwd.forward runs gdn_fwd.s22's kernels in s22's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
