@@ -664,8 +664,10 @@ for label, t in sweep21.items():
 
 # %% [markdown]
 # So phase 1 takes $L$ times the chain's latency a chunk: 150 us / 32 = 4.7 us on (2, 8) 1 x 32768
-# and 260 / 64 = 4.1 on (16, 16) (s20's docstring), where phase 3's CTAs take 1.7 us a chunk
-# (107 us for two waves of 32). Phase 3's chain is split over a state warpgroup, which owns $S$
+# and 260 / 64 = 4.1 on (16, 16) (s20's docstring). Phase 3 runs s16's kernel at 128 columns
+# there (one wave of 128 CTAs): 3.3 us a chunk (107 us / 32) for twice the columns and the output
+# too, and about 2.4 us at 64 columns (its step, 1.0 against 1.37). Its chain is split over a
+# state warpgroup, which owns $S$
 # and decays it while the value warpgroup builds $\tilde V$; s20's runs in one warpgroup, and
 # ptxas serializes its decay behind the $KS$ wgmma (its C7517 note: a `warpgroup.wait` injected).
 # s23 keeps s20's tiles and gives phase 1 phase 3's roles (plus s20's wy warpgroup):

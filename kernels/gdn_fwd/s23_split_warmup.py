@@ -19,8 +19,10 @@ Why: phase 1 is one wave of long CTAs. The windows of decaying heads are about a
 benchmark's inputs: g near -2.2 or -0.18 a token), and only exact heads (g = 0, a quarter of them)
 walk the whole previous segment, Z and M alike: on every split problem of the sweep, at most 120
 CTAs of L chunks (notebook 05, section 11). So phase 1 takes L times the chain's latency a chunk:
-150 us / 32 = 4.7 us on (2, 8) 1 x 32768, 260 / 64 = 4.1 on (16, 16) (s20's docstring), against
-1.7 us a CTA-chunk in phase 3 (107 us for two waves of 32 chunks), whose chain is split this way.
+150 us / 32 = 4.7 us on (2, 8) 1 x 32768, 260 / 64 = 4.1 on (16, 16) (s20's docstring). Phase 3
+runs s16's kernel there at 128 columns (its width rule, one wave of 128 CTAs): 3.3 us a chunk
+(107 us / 32) for twice the columns and the output too, and its chain is split this way; at 64
+columns s16's chunk costs 0.73 of that (``WIDTHS.step``: 1.0 against 1.37), about 2.4 us.
 s20's chain runs K S, W, WY W, Vd and K^T Vd in one warpgroup, and ptxas serializes its decay
 behind the K S wgmma (C7517: a warpgroup.wait injected). Here ptxas gives the kernel 128
 registers at launch, no spills and no such warning.
