@@ -30,13 +30,19 @@ def main(argv=None) -> int:
                               "(default: %(default)s)")
     p_bench.add_argument("--heads", nargs="+", default=None, metavar="H,HV",
                          help="only these head configurations, e.g. 16,64 2,8 (default: all public)")
+    p_bench.add_argument("--problems", nargs="+", default=None, metavar="LABEL",
+                         help="only these problems, e.g. '(2, 8) 1x8192' (default: all)")
+    p_bench.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                         help="only these rows (the CSV's impl names) beside FLA and FlashQLA; the "
+                              "CSV keeps the other rows of these problems (default: all)")
     p_bench.add_argument("--report", action="store_true",
                          help="only redraw the plot and the README table from the CSV (any machine)")
     args = parser.parse_args(argv)
     if args.command == "tour":
         return tour.main(args.plot)
     heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
-    return bench.main(args.commit or _commit(), args.csv, args.report, heads, args.mode)
+    return bench.main(args.commit or _commit(), args.csv, args.report, heads, args.mode, args.problems,
+                      args.rows)
 
 
 if __name__ == "__main__":

@@ -318,13 +318,22 @@ TRAINING = Mode("gdn_train", "training step (forward + backward)",
 MODES = {m.name: m for m in (FORWARD, TRAINING)}
 
 
-def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mode = FORWARD) -> list[dict]:
-    """Check, then time every row on every problem; the CSV (``keep``'s rows of other problems,
-    then this run's) is rewritten after each problem."""
+def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mode = FORWARD,
+              rows_to_time=None) -> list[dict]:
+    """Check, then time every row (or only ``rows_to_time`` and both peers) on every problem; the
+    CSV (``keep``'s rows that this run does not replace, then this run's, ``merge_rows``) is
+    rewritten after each problem."""
     training = mode is TRAINING
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     keep_fla_chunk_indices(max(num_input_sets(p, l2) for p in problems))  # before FLA is imported
     cands = mode.candidates()
+    if rows_to_time is not None:
+        unknown = set(rows_to_time) - {name for name, _, _ in cands}
+        if unknown:
+            raise ValueError(f"bench: `rows` {sorted(unknown)} are not rows of this machine's "
+                             f"{mode.name} benchmark: {[name for name, _, _ in cands]}")
+        rows_to_time = {*rows_to_time, *mode.peers}  # the vs_ columns need the peers of this run
+        cands = [c for c in cands if c[0] in rows_to_time]
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
     # JIT-compile our TileLang rows (the stages and the API) for every head configuration, all on
@@ -388,7 +397,8 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
                     r[col] = round(base[peer] / r["ms"], 2) if peer in base else ""
         print(time.strftime("%X"), format_rows([r for r in rows if r["problem"] == p.label]),
               sep="\n", flush=True)
-        write_csv(merge_rows(list(keep), [{**r, **meta} for r in rows], mode.problems), csv_path)
+        write_csv(merge_rows(list(keep), [{**r, **meta} for r in rows], mode.problems, rows_to_time),
+                  csv_path)
     return [{**r, **meta} for r in rows]
 
 
@@ -533,29 +543,38 @@ def split_sweep(stage: str, path: Path | None = None) -> dict:
     return sweep
 
 
-def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS) -> list[dict]:
-    """The CSV after a run over some problems: their old rows replaced, other problems' rows kept."""
+def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS, rows_timed=None) -> list[dict]:
+    """The CSV after a run over some problems: their old rows replaced, other problems' rows kept;
+    with ``rows_timed`` (a run of some rows only), only those rows of those problems replaced."""
     done = {r["problem"] for r in new}
     order = {p.label: i for i, p in enumerate(problems)}
-    rows = [r for r in old if r["problem"] not in done] + new
+    replaced = (lambda r: r["problem"] in done) if rows_timed is None else (
+        lambda r: r["problem"] in done and r["impl"] in rows_timed)
+    rows = [r for r in old if not replaced(r)] + new
     return sorted(rows, key=lambda r: order.get(r["problem"], len(order)))  # stable: rows keep order
 
 
-def main(commit: str, csv_path: Path | None, report: bool, heads=None, mode: str = "gdn_fwd") -> int:
-    """``heads``: only the problems of these (H, HV) (a run must fit the GPU machine's 10 minutes);
-    the CSV keeps the other problems' rows from earlier runs, each row with its own provenance.
-    ``mode``: "gdn_fwd" (inference forward) or "gdn_train" (a training step)."""
+def main(commit: str, csv_path: Path | None, report: bool, heads=None, mode: str = "gdn_fwd",
+         labels=None, row_names=None) -> int:
+    """``heads``: only the problems of these (H, HV); ``labels``: only these problems (short
+    labels, ``short_label``); ``row_names``: only these rows, beside both peers (a run must fit the
+    GPU machine's 10 minutes). The CSV keeps the rows this run does not time from earlier runs, each
+    row with its own provenance. ``mode``: "gdn_fwd" (inference forward) or "gdn_train" (a
+    training step)."""
     m = MODES[mode]
     csv_path = csv_path or RESULTS / f"{m.name}.csv"
     if not report:
         if not torch.cuda.is_available():
             print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
             return 1
-        problems = [p for p in m.problems if heads is None or (p.H, p.HV) in heads]
+        problems = [p for p in m.problems if (heads is None or (p.H, p.HV) in heads)
+                    and (labels is None or short_label(p.label) in labels)]
         if not problems:
-            raise ValueError(f"bench: `heads` {heads} selects none of {PUBLIC_HEADS}")
-        keep = read_csv(csv_path) if heads is not None and csv_path.exists() else []
-        rows = run_bench(commit, csv_path, problems, keep, m)
+            raise ValueError(f"bench: `heads` {heads} and `problems` {labels} select none of "
+                             f"{[short_label(p.label) for p in m.problems]}")
+        partial = heads is not None or labels is not None or row_names is not None
+        keep = read_csv(csv_path) if partial and csv_path.exists() else []
+        rows = run_bench(commit, csv_path, problems, keep, m, row_names)
         print(f"wrote {csv_path}")
         if any(r["method"] == "FAILED its check" for r in rows):
             return 1

@@ -30,6 +30,14 @@ def test_a_partial_run_replaces_its_problems_and_keeps_the_others():
     assert bench.merge_rows(old[1:], new) == [*new, old[1]]  # in the order of bench.PROBLEMS
 
 
+def test_a_run_of_some_rows_replaces_only_those():
+    a, b = (p.label for p in bench.PROBLEMS[:2])
+    old = [dict(problem=a, impl="x", ms="1"), dict(problem=a, impl="z", ms="5"), dict(problem=b, impl="x", ms="2")]
+    new = [dict(problem=a, impl="x", ms="3"), dict(problem=a, impl="y", ms="4")]
+    assert bench.merge_rows(old, new, rows_timed={"x", "y"}) == [old[1], *new, old[2]]
+    assert bench.merge_rows(old, new) == [*new, old[2]]  # a whole run drops the rows it no longer has
+
+
 @pytest.mark.parametrize("mode", bench.MODES.values(), ids=lambda m: m.name)
 def test_readme_table_is_regenerated_from_the_committed_csv(mode):
     rows = bench.read_csv(bench.RESULTS / f"{mode.name}.csv")
