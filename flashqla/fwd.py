@@ -211,6 +211,16 @@ def cta_heads(H: int, HV: int) -> int:
     return max(r for r in range(1, MAX_HEADS_PER_CTA + 1) if group % r == 0)
 
 
+def a_elem(kkt_s, g_s, r, i, l, n, gate):
+    """Both solves' A entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below
+    the diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
+    import tilelang.language as T  # imported here: importing flashqla must not pull in TileLang
+
+    if gate:
+        return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
+    return kkt_s[i, l]
+
+
 def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
     value heads of one key head (a divisor of HV / H); any token or chunk count."""
@@ -220,13 +230,6 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
-
-    def a_elem(kkt_s, g_s, r, i, l, n, gate):
-        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
-        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
-        if gate:
-            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
-        return kkt_s[i, l]
 
     @T.macro
     def phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
@@ -386,13 +389,6 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
-
-    def a_elem(kkt_s, g_s, r, i, l, n, gate):
-        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
-        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
-        if gate:
-            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
-        return kkt_s[i, l]
 
     @T.macro
     def phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
