@@ -211,25 +211,24 @@ def cta_heads(H: int, HV: int) -> int:
     return max(r for r in range(1, MAX_HEADS_PER_CTA + 1) if group % r == 0)
 
 
-def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
-    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
-    value heads of one key head (a divisor of HV / H); any token or chunk count."""
-    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+def a_elem(kkt_s, g_s, r, i, l, n, gate):
+    """Both solves' A entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below
+    the diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
+    import tilelang.language as T  # imported here: importing flashqla must not pull in TileLang
 
-    C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
-    group = HV // H  # value head i_hv reads key head i_hv // group
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
+    if gate:
+        return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
+    return kkt_s[i, l]
 
-    def a_elem(kkt_s, g_s, r, i, l, n, gate):
-        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
-        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
-        if gate:
-            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
-        return kkt_s[i, l]
+
+def solve_phases(T, x_at):
+    """Phase A and phase B of both solves (s06's and s08's), as TileLang macros: ``x_at(r, b, half,
+    q, j)`` are the indices in X's shared buffer of row 8 half + q, column j of head r's diagonal
+    block b (s06 keeps the diagonal blocks' rows, s08 two 32 x 32 halves a head)."""
+    NB = CHUNK_SIZE // SOLVE_BLOCK
 
     @T.macro
-    def phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
+    def phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
         # X_jj <- (I + A_jj)^-1 e_c for heads r0 .. r0 + nr - 1 at once (independent chains): forward
         # substitution over the block's 16 rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l
         # (unknown x_l are still 0); half h sums l in 8h .. 8h + 7, one shuffle adds the other half
@@ -250,13 +249,13 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     x_a[8 * u + i % 8] = row[u]
         for u in T.unroll(nr):
             for q in T.unroll(8):
-                xd_s[r0 + u, SOLVE_BLOCK * jb + 8 * half + q, c] = x_a[8 * u + q]
+                x_s[x_at(r0 + u, jb, half, q, c)] = x_a[8 * u + q]
 
     @T.macro
-    def phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, gate):
+    def phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, gate):
         # X_jj's column c (phase A's, from shared: another warp may have solved it)
         for q in T.unroll(8):
-            x_col[q] = xd_s[r, SOLVE_BLOCK * jb + 8 * half + q, c]
+            x_col[q] = x_s[x_at(r, jb, half, q, c)]
         # level d, block row i = j + d of block column j: t <- diag(beta) sum_{e < d} A_{i, j+e}
         # X_{j+e, j}[:, c] (16 independent row sums), then X_ij[:, c] <- -X_ii t
         for d in T.unroll(1, NB):
@@ -275,8 +274,23 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     acc[0] = 0.0
                     acc[1] = 0.0
                     for s in T.unroll(SOLVE_BLOCK):
-                        acc[s % 2] = acc[s % 2] + xd_s[r, SOLVE_BLOCK * (jb + d) + 8 * half + q, s] * t_col[s]
+                        acc[s % 2] = acc[s % 2] + x_s[x_at(r, jb + d, half, q, s)] * t_col[s]
                     x_col[8 * d + q] = -(acc[0] + acc[1])
+
+    return phase_a, phase_b
+
+
+def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
+    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
+    value heads of one key head (a divisor of HV / H); any token or chunk count."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (r, SOLVE_BLOCK * b + 8 * half + q, j))
 
     @T.prim_func
     def gate_free_solve_balanced(
@@ -387,63 +401,8 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
 
-    def a_elem(kkt_s, g_s, r, i, l, n, gate):
-        """A's entry (i, l) without beta: K K^T, or for a flagged head K K^T * Gamma below the
-        diagonal of the chunk's real rows and 0 elsewhere (where exp2 of g_i - g_l could overflow)."""
-        if gate:
-            return T.if_then_else((l < i) & (i < n), kkt_s[i, l] * T.exp2(g_s[r, i] - g_s[r, l]), 0)
-        return kkt_s[i, l]
-
-    @T.macro
-    def phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, jb, c, half, n, r0, nr, gate):
-        # X_jj <- (I + A_jj)^-1 e_c for heads r0 .. r0 + nr - 1 at once (independent chains): forward
-        # substitution over the block's 16 rows, x_i = [i == c] - beta_i sum_{l < i} a_il x_l
-        # (unknown x_l are still 0); half h sums l in 8h .. 8h + 7, one shuffle adds the other half
-        for s in T.unroll(nr * 8):
-            x_a[s] = 0.0
-        for i in T.unroll(SOLVE_BLOCK):
-            for u in T.unroll(nr):
-                acc[2 * u] = 0.0
-                acc[2 * u + 1] = 0.0
-                for q in T.unroll(8):
-                    acc[2 * u + q % 2] = acc[2 * u + q % 2] + a_elem(
-                        kkt_s, g_s, r0 + u, SOLVE_BLOCK * jb + i, SOLVE_BLOCK * jb + 8 * half + q, n, gate) * x_a[8 * u + q]
-            for u in T.unroll(nr):
-                row[u] = acc[2 * u] + acc[2 * u + 1]
-                row[u] = T.if_then_else(i == c, 1.0, 0.0) - beta_s[r0 + u, SOLVE_BLOCK * jb + i] * (
-                    row[u] + T.shfl_xor(row[u], 16))
-                if i // 8 == half:
-                    x_a[8 * u + i % 8] = row[u]
-        for u in T.unroll(nr):
-            for q in T.unroll(8):
-                x_s[r0 + u, jb // 2, SOLVE_BLOCK * (jb % 2) + 8 * half + q, SOLVE_BLOCK * (jb % 2) + c] = x_a[8 * u + q]
-
-    @T.macro
-    def phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, gate):
-        # X_jj's column c (phase A's, from shared: another warp may have solved it)
-        for q in T.unroll(8):
-            x_col[q] = x_s[r, jb // 2, SOLVE_BLOCK * (jb % 2) + 8 * half + q, SOLVE_BLOCK * (jb % 2) + c]
-        # level d, block row i = j + d of block column j: t <- diag(beta) sum_{e < d} A_{i, j+e}
-        # X_{j+e, j}[:, c] (16 independent row sums), then X_ij[:, c] <- -X_ii t
-        for d in T.unroll(1, NB):
-            if jb + d < NB:
-                for i in T.unroll(SOLVE_BLOCK):
-                    acc[0] = 0.0
-                    acc[1] = 0.0
-                    for e in T.unroll(d):
-                        for q in T.unroll(8):
-                            acc[q % 2] = acc[q % 2] + a_elem(
-                                kkt_s, g_s, r, SOLVE_BLOCK * (jb + d) + i, SOLVE_BLOCK * (jb + e) + 8 * half + q, n,
-                                gate) * x_col[8 * e + q]
-                    row[0] = acc[0] + acc[1]
-                    t_col[i] = beta_s[r, SOLVE_BLOCK * (jb + d) + i] * (row[0] + T.shfl_xor(row[0], 16))
-                for q in T.unroll(8):
-                    acc[0] = 0.0
-                    acc[1] = 0.0
-                    for s in T.unroll(SOLVE_BLOCK):
-                        acc[s % 2] = acc[s % 2] + x_s[r, (jb + d) // 2, SOLVE_BLOCK * ((jb + d) % 2) + 8 * half + q,
-                                                           SOLVE_BLOCK * ((jb + d) % 2) + s] * t_col[s]
-                    x_col[8 * d + q] = -(acc[0] + acc[1])
+    phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (
+        r, b // 2, SOLVE_BLOCK * (b % 2) + 8 * half + q, SOLVE_BLOCK * (b % 2) + j))
 
     @T.macro
     def level_one(kkt_s, beta_s, x_s, x_col, t_col, acc, row, c, half, r, b):
