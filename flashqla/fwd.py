@@ -204,7 +204,8 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_fwd
 
 
-# ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py
+# ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py; its A entries and phases A and B
+# (``a_elem``, ``solve_phases``) also serve s08's kernel below, with X's other layout
 def cta_heads(H: int, HV: int) -> int:
     """The largest divisor of HV / H up to MAX_HEADS_PER_CTA: the value heads sharing one K K^T."""
     group = HV // H
