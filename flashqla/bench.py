@@ -30,9 +30,9 @@ README table from the committed CSV, on any machine.
 
 from __future__ import annotations
 
-import concurrent.futures
 import csv
 import datetime
+import functools
 import math
 import os
 import re
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from flashqla.stages import discover
-from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs
+from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs, run_on_threads
 
 MIXES = ((2048,), (8192,), (32768,), (28672, 4096), (4096,) * 8)
 TRAIN_MIXES = ((8192,), (32768,), (4096,) * 8)
@@ -348,10 +348,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
         except Exception as exc:  # noqa: BLE001 -- its check below fails it and says why
             print(f"compile of a row failed: {type(exc).__name__}: {exc}", flush=True)
 
-    import tilelang  # noqa: F401 -- imported once here: importing it on several threads at once fails
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(compile_row, jobs))
+    run_on_threads([functools.partial(compile_row, job) for job in jobs])
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
         x = op_inputs(mode.check_op, Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1))
