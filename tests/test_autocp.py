@@ -97,13 +97,13 @@ def split_sweep(number: int) -> dict:
             for label, t in bench.split_sweep(stage).items()}
 
 
-SWEEP_OF = {18: 18, 20: 20, 22: 21}  # the stage whose sweep checks a rule (s22 runs s21's kernels)
+SWEEP_OF = {18: 18, 20: 20, 22: 21, 23: 23}  # the stage whose sweep checks a rule (s22 runs s21's kernels)
 RULE_CASES = [(number, label) for number in SWEEP_OF for label in split_sweep(SWEEP_OF[number])]
 
 
 @pytest.mark.parametrize("number, label", RULE_CASES, ids=[f"s{n}-{label}" for n, label in RULE_CASES])
 def test_rule_picks_a_fastest_measured_split(number, label):
-    """gdn_fwd.s18's, s20's and s22's rules, on every problem of their sweeps
+    """gdn_fwd.s18's, s20's, s22's and s23's rules, on every problem of their sweeps
     (``profiles/split_lab.py``; s22's is s21's), pick the fastest measured choice (split or not, and
     L), or one within 3 % of it: the sweep's noise (about 1 % between runs), and L0 = 103 on (8, 24)
     1x32768, 2.7 % behind L 96, whose sixth segment the rule does not price."""
@@ -726,14 +726,17 @@ def test_s18_captures_without_an_eager_call():
 
 @pytest.mark.parametrize("number, constant, value", [(18, "PHASE3_CTAS_PER_SM", 1), (18, "FIXED_STEPS", 0),
                                                      (20, "SEGMENT_STEPS", 0), (20, "SEGMENT_CHUNK_STEPS", 3.2),
-                                                     (22, "SEGMENT_STEPS", 3.8), (22, "SEGMENT_CHUNK_STEPS", 2.6)])
+                                                     (22, "SEGMENT_STEPS", 3.8), (22, "SEGMENT_CHUNK_STEPS", 2.6),
+                                                     (23, "SEGMENT_CHUNK_STEPS", 2.0), (23, "FIXED_STEPS", 10)])
 def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
     """The check above fails for an s18 rule that fills one CTA an SM (L = 64 on (2, 8) 1 x 32768:
     0.78 ms against 0.56 at L = 32) or forgets the fixed cost (splits 1 x 8192, which lost), and
     for an s20 rule that forgets phase 2's cost per segment (L = 8 on (2, 8) 1 x 8192: 0.27 ms
     against 0.23 at L = 16) or overprices a chunk (no split there), and for an s22 rule with s20's
     price of a segment (L = 16 on (2, 8) 1 x 8192: 0.193 ms against 0.185 at L = 8) or of a chunk
-    (no split of (8, 24) 1 x 32768: 1.124 ms against 0.968 at L = 96)."""
+    (no split of (8, 24) 1 x 32768: 1.124 ms against 0.968 at L = 96), and for an s23 rule with
+    s22's price of a chunk (no split of (16, 32) 1 x 32768: 1.150 ms against 1.061 at L = 128) or
+    of the fixed cost (L = 8 on (2, 8) 1 x 2048: 0.100 ms against 0.094 unsplit)."""
     from flashqla.stages import load
 
     monkeypatch.setattr(load("gdn_fwd", number), constant, value)

@@ -27,8 +27,35 @@ s20's chain runs K S, W, WY W, Vd and K^T Vd in one warpgroup, and ptxas seriali
 behind the K S wgmma (C7517: a warpgroup.wait injected). Here ptxas gives the kernel 128
 registers at launch, no spills and no such warning.
 
-Measured effect: not yet (needs the GPU tests: Z and M against s20's within fp32 rounding, CP on
-vs off, the public shapes; then the per-kernel times and a split sweep).
+Then the rule: with phase 1 cheaper, s22's costs no longer pick the fastest split on three
+problems of this stage's sweep (``profiles/split_lab.py --stage 23``): they leave (8, 32) and (16,
+32) 1x32768 unsplit (1.140 / 1.150 ms, against 1.057 / 1.061 at L 128) and (8, 24) 28672+4096
+(0.974, against 0.938 at L 112). s22's form, refitted (``SEGMENT_CHUNK_STEPS``): a chunk of a
+segment costs 1.1 steps (was 2.0), a segment 0.4 (was 1.2), the fixed cost 36 (was 10).
+
+Measured effect (one H100, commit f36f275). Per kernel (torch.profiler, both at the same L):
+the warm-up kernel takes 0.75-0.81x s20's time (149 -> 118 us on (2, 8) 1x32768 at L 32, 257 ->
+197 on (16, 16) 1x32768 at L 64, 395 -> 296 on (8, 24) 1x32768 at L 103, 87 -> 71 on (4, 16)
+1x8192 at L 16). The sweep, this stage at its rule's L against s22 at its own, same run:
+
+    problem               L     s23     s22    x s22   FlashQLA
+    (2, 8) 1x32768        32   0.347   0.378   0.92     0.396
+    (2, 8) 28672+4096     32   0.384   0.416   0.92     0.390
+    (2, 8) 1x8192          8   0.176   0.188   0.93     0.167
+    (4, 16) 1x32768       64   0.589   0.648   0.91     0.669
+    (4, 16) 28672+4096    64   0.619   0.679   0.91     0.691
+    (4, 16) 1x8192        16   0.230   0.247   0.93     0.219
+    (16, 16) 1x32768      64   0.648   0.708   0.92     0.687
+    (16, 16) 28672+4096   64   0.677   0.738   0.92     0.712
+    (16, 16) 1x8192       16   0.258   0.274   0.94     0.230
+    (8, 32) 1x32768      128   1.057   1.162   0.91     1.262
+    (16, 32) 1x32768     128   1.060   1.156   0.92     1.270
+    (8, 24) 1x32768      103   0.863   0.962   0.90     1.012
+    (8, 24) 28672+4096   112   0.938   0.989   0.95     0.802
+    (2, 8) 1x2048          -   0.094   0.090   1.04     0.892   (unsplit, both: noise)
+
+GPU tests (commit f36f275): Z and M against s20's (15 cases), the public shapes (24), AutoCP's
+CP on vs off, flags, determinism and graph replay (10).
 
 Taught in: notebooks/05_autocp.py (section 11)
 """
@@ -40,6 +67,7 @@ import torch
 from flashqla import autocp, stages
 from flashqla.hopper import HOPPER_TARGET
 from flashqla.nvtx import nvtx_range
+from flashqla.varlen import host_bounds
 
 NEEDS = ("hopper",)
 SOURCE_MUST_CONTAIN = ("wgmma", "tma_load", "tma_store", "autocp_chain", "gdn_autocp_warmup_split")
@@ -64,6 +92,14 @@ REGS_PRODUCER = 24           # addresses
 assert REGS_STATE + REGS_VALUE + REGS_WY + REGS_PRODUCER <= 4 * 128
 NUM_STAGES = 2               # tile stages: the producer fills chunk c + 2 once chunk c is consumed
 NUM_HANDOFF = 2              # WY slots: chunk c + 1's is built while the value warpgroup reads c's
+# the rule's costs (s22's form, ``segment_chunks``), in chunk steps of phase 3 at BV 64: per chunk
+# of a segment at one CTA an SM (phases 1 and 3), per segment (phase 2), once (windows, phase 2's
+# launch, the state copies); refitted to this stage's sweep by s22's grid search: among the points
+# where the rule picks a measured split within 3 % of the fastest on all 14 problems and so do all
+# 125 grid neighbours (+-0.1, +-0.4, +-4), the median of those with a segment cost >= 0
+SEGMENT_CHUNK_STEPS = 1.1
+SEGMENT_STEPS = 0.4
+FIXED_STEPS = 36
 
 
 def warmup_kernel(H: int, HV: int):
@@ -241,9 +277,48 @@ def kernel_source() -> str:
     return _compiled(**DEFAULT_SHAPE).get_kernel_source() + PIPELINE.kernel_source()
 
 
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """s22's rule at this stage's costs: L0 (s18's L, the shortest whose segments fit two phase-3
+    CTAs an SM) and 2 L0 each cost, in chunk steps at BV 64,
+
+        SEGMENT_CHUNK_STEPS L (1 + load / 2) + SEGMENT_STEPS J + FIXED_STEPS
+
+    with J the longest sequence's segments and load the phase-3 CTAs an SM (2 HV a segment).
+    Automatic (``force`` None): the cheaper, if below the unsplit launch's ``unsplit_step`` x the
+    longest sequence, else 0. ``force``: False never splits, True splits at the cheaper, an int is L."""
+    s18 = PIPELINE.PIPELINE.PIPELINE.PIPELINE
+    if force is not None and force is not True:
+        return s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force)
+    L0 = s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, True)
+    if not L0:
+        return 0
+    longest = max(seq_chunks)
+    costs = []
+    for L in (L0, 2 * L0):
+        J = -(-longest // L)
+        load = 2 * HV * sum(-(-c // L) for c in seq_chunks) / num_sms
+        if J >= 2:
+            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+    if force is True:
+        return min(costs)[1] if costs else L0
+    return min(costs + [(unsplit_step * longest, 0)])[1]
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
+    """s18's ``split_plan`` at the segment length of this stage's rule (None: no split)."""
+    s18 = PIPELINE.PIPELINE.PIPELINE.PIPELINE
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                  else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
+    return s18.split_plan(cu_seqlens, B, T, HV, num_sms, device, L if L else False, unsplit_step)
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
-    """s22's ``forward`` (its rule, ``cp`` as there) with this stage's phase 1."""
+    """s22's ``forward`` with this stage's phase 1 and rule (``cp`` None decides, False never
+    splits, True splits by the rule, an int is the segment length in chunks)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -257,7 +332,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     sms = autocp.num_sms(device)
     widths, fused = s18.WIDTHS, s18.PIPELINE
     BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
-    p = PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
     if p is None:
         o, ht = fused._fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths)
         return o, (ht if output_final_state else None)
