@@ -148,6 +148,8 @@ class Plan:
                                 # sequence's first row + j L); the real chunk count past the real rows
     slot_chunk: torch.Tensor | None = None  # int32 [J * N]: chunk_table row of the chunk at each
                                 # slot's start (``slot_chunks``); host_plan's plans only
+    row_of_slot: torch.Tensor | None = None  # int32 [J * N]: the segment row of slot j * N + n, -1
+                                # where sequence n has no segment j (slot_of_segment's inverse)
 
 
 _last_plan: dict = {}
@@ -246,9 +248,12 @@ def _build_plan(cu_seqlens, batch, seqlen, L, device, longest: int | None = None
     # chunk rows as flashqla.varlen.chunk_table numbers them: sequence by sequence, ceil(len / 64) each
     seq_row0 = _first_rows(seqs)                                            # [N + 1]
     first_chunk = torch.cat([torch.where(real, seq_row0[seq_c] + L * j, seq_row0[N]), seq_row0[N:]])
+    # slot_of_segment's inverse, scattered without a sync: rows past the real ones go to a spare slot
+    row_of_slot = torch.full((J * N + 1,), -1, dtype=torch.int32, device=device)
+    row_of_slot.scatter_(0, torch.where(real, j * N + seq_c, J * N), r.to(torch.int32))
     return Plan(L, N, J, bounds.to(torch.int32), torch.where(real, j * N + seq_c, 0),
                 first[1:] - 1, slot_start.reshape(-1).to(torch.int32), slot_warm.reshape(-1),
-                first_chunk.to(torch.int32))
+                first_chunk.to(torch.int32), row_of_slot=row_of_slot[:-1])
 
 
 def bound_violations(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23] [--heads H,HV ...] [--commit SHA]
+    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24] [--heads H,HV ...] [--commit SHA]
 
 For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
 ``cp=L`` for each L of LS whose segments are at most a third of the longest sequence (L = 0:
@@ -31,7 +31,7 @@ PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
     Problem(8, 32, (32768,)), Problem(16, 32, (32768,)), Problem(8, 24, (32768,)), Problem(2, 8, (2048,)),
     Problem(8, 24, (28672, 4096))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
-PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22}  # the stage whose split a stage's sweep is compared with
+PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23}  # the stage whose split a stage's sweep is compared with
 
 
 def measure(out: Path, heads, commit: str, stage: int) -> int:

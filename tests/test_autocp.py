@@ -420,13 +420,13 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23],
-                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24],
+                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
     s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 on
-    the state/value split), with its kernels (and those of the chain it runs) compiled on threads
+    the state/value split, s24 s23's with phase 2 reading M only where needed), with its kernels (and those of the chain it runs) compiled on threads
     first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
@@ -536,10 +536,10 @@ def flag_every_third_chunk(x):
                                        (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
                                        (Problem(2, 8, (1000, 1000), varlen=False), 2)],
                          ids=lambda c: getattr(c, "label", str(c)))
-@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21, 22, 23],
-                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23"])
+@pytest.mark.parametrize("number", [8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24],
+                         ids=["s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24"])
 def test_segments_read_their_own_chunks_gated_flags(number, problem, L):
-    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20, s21, s22 and s23 reads ``gated`` at each segment's rows of the whole
+    """Phase 3 of gdn_fwd.s08, s11, s13, s15, s17, s18, s20, s21, s22, s23 and s24 reads ``gated`` at each segment's rows of the whole
     sequences' chunk table (Plan.first_chunk): with flags that change from chunk to chunk, CP on is
     as close to float64 as CP off, head by head, and passes the gdn_fwd check. (No L is a multiple
     of the flags' period 3, so a segment reading its sequence's first rows would read other flags.)"""
@@ -698,6 +698,36 @@ def test_s21_chaining_is_as_close_to_float64_as_the_matmuls(bounds, L):
     got = mod.segment_initial_states(p, h0, z, m)
     assert rel_l2(got, want) < 1e-5, rel_l2(got, want)
     assert rel_l2(got, exact64) <= 2 * rel_l2(want, exact64) + 1e-7, (rel_l2(got, exact64), rel_l2(want, exact64))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("bounds, L", [([0, 32768], 32), ([0, 3000, 3001, 3700, 6200, 6264, 7564], 4),
+                                       ([0, 28672, 32768], 64)])
+def test_s24_chain_writes_s21s_states_by_row_without_reading_unneeded_m(bounds, L):
+    """gdn_fwd.s24's phase 2 writes every real segment row (NaN before it runs) with s21's state
+    for it, bit for bit, and never reads M of a (sequence, head) with no exact slot: there M is
+    NaN, and s21 gets zeros (what phase 1 writes)."""
+    from flashqla.stages import load
+
+    s21, s24 = load("gdn_fwd", 21), load("gdn_fwd", 24)
+    HV, K = 8, 128
+    p = autocp.host_plan(bounds, L, "cuda")
+    J, N = p.max_segments, p.num_seqs
+    gen = torch.Generator("cuda").manual_seed(9)
+    h0 = torch.randn(N, HV, K, K, generator=gen, device="cuda")
+    z = torch.randn(J * N, HV, K, K, generator=gen, device="cuda")
+    exact = (torch.rand(J * N, HV, generator=gen, device="cuda") < 0.4).int()
+    exact[:, :3] = 0                                          # heads 0-2: no exact slot anywhere
+    exact[:N] = 0                                             # a sequence's first slot has no window
+    m = torch.randn(J * N, HV, K, K, generator=gen, device="cuda") * 0.08 * exact[..., None, None]
+    want = s21.segment_initial_states(p, h0, z, m)
+    m[:, :3] = float("nan")
+    rows = p.row_of_slot[p.row_of_slot >= 0].long()
+    got = torch.full((p.bounds.shape[0] - 1, HV, K, K), float("nan"), device="cuda")
+    s24._chain(HV)(h0, z, m, exact, p.row_of_slot, got)
+    assert torch.equal(got[rows], want[rows]), (got[rows] - want[rows]).abs().max()
+    assert exact[:, 3:].any()                                 # both paths taken
 
 
 @pytest.mark.gpu
