@@ -111,13 +111,13 @@ BLOCK = 64            # state columns per CTA of the warm-up kernel
 WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
 UNROLL = 4            # ... four at once
 MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
-CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21): state columns per CTA, V / 8 per (sequence, head)
+CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21's tiles): state columns per CTA, V / 8 per (sequence, head)
 CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
 CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
-PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s22's): segments
-SEGMENT_CHUNK_STEPS = 2.0              # fill two CTAs an SM (or half as many); the split costs these
-SEGMENT_STEPS = 1.2                    # chunk steps at BV 64 per chunk of a segment at one CTA an
-FIXED_STEPS = 10                       # SM, per segment and once
+PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s23's): segments
+SEGMENT_CHUNK_STEPS = 1.1              # fill two CTAs an SM (or half as many); the split costs these
+SEGMENT_STEPS = 0.4                    # chunk steps at BV 64 per chunk of a segment at one CTA an
+FIXED_STEPS = 36                       # SM, per segment and once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
@@ -154,14 +154,16 @@ REGS_WIDE_STATE = 168            # S (128 fp32 a thread)
 REGS_WIDE_VALUE = 128            # U / W / V~ / Vd (64)
 REGS_WIDE_SCORES = 192           # O (64) while Gamma (32) and P (32) of the next chunk are built
 assert REGS_PRODUCER + REGS_WIDE_STATE + REGS_WIDE_VALUE + REGS_WIDE_SCORES <= 4 * 128
-# ---- gdn_fwd.s20's warm-up kernel (AutoCP's phase 1): roles, one warpgroup each, in thread order
-# (s20's names, prefixed WARMUP_); its producer's budget is REGS_PRODUCER, its stages NUM_STAGES
-WARMUP_CHAIN_END = 1 * WARPGROUP  # [0, 128)   chain: owns S; U = K S, W, V~ = WY W, the state update
-WARMUP_WY_END = 2 * WARPGROUP     # [128, 256) wy: WY = Gamma * Ab, one chunk ahead
-WARMUP_THREADS = 3 * WARPGROUP    # [256, 384) producer: TMA loads of k, v, Ab; the gates
-REGS_WARMUP_CHAIN = 240           # S (64 fp32 a thread), U / W / Vd (32), V~ (32)
-REGS_WARMUP_WY = 160              # Gamma * Ab, 32 elements a thread (released: .dec from 168)
-assert REGS_PRODUCER + REGS_WARMUP_CHAIN + REGS_WARMUP_WY <= 3 * 168
+# ---- gdn_fwd.s23's warm-up kernel (AutoCP's phase 1): roles, one warpgroup each, in thread order
+# (s23's names, prefixed WARMUP_); its producer's budget is REGS_PRODUCER, its stages NUM_STAGES
+WARMUP_STATE_END = 1 * WARPGROUP  # [0, 128)   state: owns S; its snapshot, decay and update
+WARMUP_VALUE_END = 2 * WARPGROUP  # [128, 256) value: U = K S, W, V~ = WY W, Vd
+WARMUP_WY_END = 3 * WARPGROUP     # [256, 384) wy: WY = Gamma * Ab, one chunk ahead
+WARMUP_THREADS = 4 * WARPGROUP    # [384, 512) producer: TMA loads of k, v, Ab; the gates
+REGS_WARMUP_STATE = 168           # S (64 fp32 a thread)
+REGS_WARMUP_VALUE = 128           # U / W / V~ / Vd (32)
+REGS_WARMUP_WY = 128              # Gamma * Ab, 32 elements a thread
+assert REGS_PRODUCER + REGS_WARMUP_STATE + REGS_WARMUP_VALUE + REGS_WARMUP_WY <= 4 * 128
 STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
         BLOCK_V: 1.0,            # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
         WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
@@ -631,10 +633,10 @@ def windows_kernel(HV: int):
     return autocp_windows
 
 
-# ---- promoted from kernels/gdn_fwd/s20_lean_warmup.py (AutoCP's phase 1; roles renamed WARMUP_...)
+# ---- promoted from kernels/gdn_fwd/s23_split_warmup.py (AutoCP's phase 1; roles renamed WARMUP_...)
 def warmup_kernel(H: int, HV: int):
     """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
-    Grid: (V + K) / BLOCK column tiles per (slot, value head), V / BLOCK of Z, K / BLOCK of M; an M
+    Grid: (V + K) / BV column tiles per (slot, value head), V / BV of Z, K / BV of M (s20's); an M
     tile of a warm-up head, and every tile of a slot without a window, only writes its zeros."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
@@ -646,7 +648,7 @@ def warmup_kernel(H: int, HV: int):
     num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def gdn_autocp_warmup_lean(
+    def gdn_autocp_warmup_split(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
@@ -671,65 +673,51 @@ def warmup_kernel(H: int, HV: int):
             win_chunks = (eos - bos) // C
             row0 = slot_chunk[i_s] - win_chunks                # chunk row of the window's first chunk
 
-            # tile stages (producer -> chain, wy); g holds log2(e) g_cum
-            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain
-            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            # tile stages (producer -> state, value, wy); g holds log2(e) g_cum
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # value, state
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # value (W written in place)
             ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # wy
             g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # wy
-            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # chain: exp(g)
-            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # chain: exp(g_C - g)
-            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> chain
-            # chain only: S in bf16 (the B operand of K S), W (of WY W), Vd (of K^T Vd)
-            h_s = T.alloc_shared((K, BV), "bfloat16")
-            w_s = T.alloc_shared((C, BV), "bfloat16")
-            vd_s = T.alloc_shared((C, BV), "bfloat16")
-            h_f = T.alloc_fragment((K, BV), "float32")             # the state S, fp32, all along
-            x_f = T.alloc_fragment((C, BV), "float32")             # U, then W, then Vd
-            vn_f = T.alloc_fragment((C, BV), "float32")            # V~
-            keep = T.alloc_var("int32")                            # this chunk's gated flag
-            # v_s and ab_s are read in the accumulator layout (8 rows of 128 bytes per warp access)
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # value: exp(g); state: exp(g_C)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # value: exp(g_C - g)
+            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> value
+            h_s = T.alloc_shared((K, BV), "bfloat16")                 # state -> value: S in bf16
+            vd_s = T.alloc_shared((C, BV), "bfloat16")                # value -> state: Vd
+            h_f = T.alloc_fragment((K, BV), "float32")                # the state S, fp32, all along
+            x_f = T.alloc_fragment((C, BV), "float32")                # U, then W, V~, Vd
+            keep = T.alloc_var("int32")                               # this chunk's gated flag
+            # v_s and ab_s are read and written in the accumulator layout
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
                                ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
 
             # ---- barriers; arrive counts: every thread of each arriving role arrives once
-            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)      # producer -> chain, wy
-            bar_tiles_empty = T.alloc_barrier([2 * WARPGROUP] * NUM_STAGES)  # chain, wy -> producer
-            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)       # wy -> chain
-            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # chain -> wy
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)       # producer -> all
+            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # wy -> value
+            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # value -> wy
+            bar_state_ready = T.alloc_barrier(WARPGROUP)                     # state -> value
+            bar_vd_ready = T.alloc_barrier(WARPGROUP)                        # value -> state
 
             tx = T.get_thread_binding()
-            if tx < WARMUP_CHAIN_END:  # ---- the chain warpgroup
-                T.set_max_nreg(REGS_WARMUP_CHAIN, 1)
+            if tx < WARMUP_STATE_END:  # ---- the state warpgroup
+                T.set_max_nreg(REGS_WARMUP_STATE, 1)
                 # S <- columns c0.. of I for M tiles of exact heads, else 0
                 for d, j in T.Parallel(K, BV):
                     h_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
-                    b = c % NUM_HANDOFF
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    # S (fp32 registers) -> bf16: the operand of K S
+                    # S_c -> bf16, the operand of K S_c; h_s is free: the value warpgroup read
+                    # S_{c-1} before it handed Vd_{c-1} over
                     T.copy(h_f, h_s)
-                    # U <- K S, issued without waiting, while S <- exp(g_C) S (registers K S does
-                    # not read; the update below adds K^T Vd to it)
-                    T.wgmma_gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_state_ready)
+                    # S <- exp(g_C) S while the value warpgroup builds Vd
                     for i, j in T.Parallel(K, BV):
                         h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
-                    T.wait_wgmma(0)
-                    # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone)
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
-                    T.copy(x_f, w_s)
-                    # V~ <- WY W, WY from the wy warpgroup; its slot is free once this returns
-                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
-                    T.gemm(wy_s[b, :, :], w_s, vn_f, clear_accum=True)
-                    T.barrier_arrive(bar_wy_free[b])
-                    # V_d <- diag(exp(g_C - g)) V~
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = vn_f[i, j] * egd_s[s, i]
-                    T.copy(x_f, vd_s)
-                    # S <- S + K^T V_d (S already decayed)
-                    T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
-                    T.wait_wgmma(0)
+                    # S <- S + K^T Vd
+                    T.barrier_wait(bar_vd_ready, c % 2)
+                    T.gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
                     T.barrier_arrive(bar_tiles_empty[s])
                 # Z or M tile <- S
                 if is_m:
@@ -737,8 +725,35 @@ def warmup_kernel(H: int, HV: int):
                 else:
                     T.copy(h_f, z[i_s, i_hv, :, c0:c0 + BV])
 
-            elif tx >= WARMUP_CHAIN_END and tx < WARMUP_WY_END:  # ---- the wy warpgroup
-                T.set_max_nreg(REGS_WARMUP_WY, 0)
+            elif tx >= WARMUP_STATE_END and tx < WARMUP_VALUE_END:  # ---- the value warpgroup
+                T.set_max_nreg(REGS_WARMUP_VALUE, 1)
+                for c in T.serial(win_chunks):
+                    s = c % NUM_STAGES
+                    b = c % NUM_HANDOFF
+                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                    T.barrier_wait(bar_state_ready, c % 2)
+                    # U <- K S_c
+                    T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
+                    # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone), in place
+                    for i, j in T.Parallel(C, BV):
+                        x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
+                    T.copy(x_f, v_s[s, :, :])
+                    T.fence_proxy_async()
+                    # V~ <- WY W, WY from the wy warpgroup; its slot is free once this returns
+                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
+                    T.gemm(wy_s[b, :, :], v_s[s, :, :], x_f, clear_accum=True)
+                    T.barrier_arrive(bar_wy_free[b])
+                    # Vd <- diag(exp(g_C - g)) V~ -> vd_shared (the state has read Vd_{c-1}: it
+                    # handed S_c over after its update)
+                    for i, j in T.Parallel(C, BV):
+                        x_f[i, j] = x_f[i, j] * egd_s[s, i]
+                    T.copy(x_f, vd_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_vd_ready)
+                    T.barrier_arrive(bar_tiles_empty[s])
+
+            elif tx >= WARMUP_VALUE_END and tx < WARMUP_WY_END:  # ---- the wy warpgroup
+                T.set_max_nreg(REGS_WARMUP_WY, 1)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
@@ -765,8 +780,8 @@ def warmup_kernel(H: int, HV: int):
                     T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
-                    # g <- log2(e) g_cum (whole chunks: no padding); the chain's row factors
-                    # exp(g_i) and exp(g_C - g_i) (exp(g_C) is the last of the first)
+                    # g <- log2(e) g_cum (whole chunks: no padding); the row factors exp(g_i) and
+                    # exp(g_C - g_i) (exp(g_C) is the last of the first)
                     for i in T.Parallel(C):
                         g_s[s, i] = g_cum[t0 + i, i_hv] * LOG2E
                     for i in T.Parallel(C):
@@ -774,42 +789,52 @@ def warmup_kernel(H: int, HV: int):
                         egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
                     T.barrier_arrive(bar_tiles_full[s])
 
-    return gdn_autocp_warmup_lean
+    return gdn_autocp_warmup_split
 
 
-# ---- promoted from kernels/gdn_fwd/s21_one_kernel_chaining.py (AutoCP's phase 2)
+# ---- promoted from kernels/gdn_fwd/s24_chain_reads_what_it_needs.py (AutoCP's phase 2)
 def chain_kernel(HV: int):
-    """The T.prim_func of phase 2 for HV value heads: ``autocp.segment_initial_states``' h of every
-    slot, [J N, HV, K, V], from h0 [N, HV, K, V] and phase 1's Z [J N, HV, K, V], M [J N, HV, K, K]."""
+    """The T.prim_func of phase 2 for HV value heads: every segment row's initial state [S, HV, K,
+    V] from h0 [N, HV, K, V], phase 1's Z [J N, HV, K, V] and M [J N, HV, K, K] (read only for a
+    (sequence, head) with an exact slot), the exact flags [J N, HV] and ``Plan.row_of_slot`` [J N]."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
     K, V, BC = HEAD_DIM, HEAD_DIM, CHAIN_COLUMNS
     num_seqs = T.dynamic("num_seqs")
     num_slots = T.dynamic("num_slots")
+    num_rows = T.dynamic("num_rows")
 
     @T.prim_func
-    def autocp_chain(
+    def autocp_chain_rows(
         h0: T.Tensor((num_seqs, HV, K, V), "float32"),
         z: T.Tensor((num_slots, HV, K, V), "float32"),         # slot j N + n: segment j of sequence n
-        m: T.Tensor((num_slots, HV, K, K), "float32"),         # zero for a warm-up head
-        hs: T.Tensor((num_slots, HV, K, V), "float32"),        # each slot's initial state
+        m: T.Tensor((num_slots, HV, K, K), "float32"),         # zero where exact is 0
+        exact: T.Tensor((num_slots, HV), "int32"),
+        row_of_slot: T.Tensor((num_slots,), "int32"),          # -1: sequence n has no segment j
+        h_seg: T.Tensor((num_rows, HV, K, V), "float32"),      # each segment row's initial state
     ):
         with T.Kernel(V // BC, HV, num_seqs, threads=CHAIN_THREADS) as (i_c, i_hv, i_n):
             c0 = i_c * BC
+            steps = num_slots // num_seqs - 1
             m_s = T.alloc_shared((K, K), "float32")
             h_s = T.alloc_shared((K, BC), "float32")
             h_f = T.alloc_fragment((K, BC), "float32")
-            # M's rows swizzled: a warp reads one column of 16 rows at once (unswizzled, 512-byte
-            # rows put them all in one bank)
+            chained = T.alloc_var("int32")                     # steps of the chain that read M
+            # M's rows swizzled (s21's): a warp reads one column of 16 rows at once
             T.annotate_layout({m_s: tilelang.layout.make_swizzled_layout(m_s)})
 
-            # h_0 <- the sequence's initial state
+            # chained <- steps if any slot of this (sequence, head) is exact, else 0
+            chained = 0
+            for j in T.serial(steps):
+                if exact[(j + 1) * num_seqs + i_n, i_hv] != 0:
+                    chained = steps
+            # h_0 <- the sequence's initial state (slot n is its first segment, always a row)
             T.copy(h0[i_n, i_hv, :, c0:c0 + BC], h_f)
-            T.copy(h_f, hs[i_n, i_hv, :, c0:c0 + BC])
-            for j in T.Pipelined(num_slots // num_seqs - 1, num_stages=CHAIN_STAGES):
+            T.copy(h_f, h_seg[row_of_slot[i_n], i_hv, :, c0:c0 + BC])
+            for j in T.Pipelined(chained, num_stages=CHAIN_STAGES):
                 s = (j + 1) * num_seqs + i_n
-                # M_j (its load is issued CHAIN_STAGES - 1 steps ahead: it does not read h)
+                # M_j (its load is issued ahead: it does not read h)
                 T.copy(m[s, i_hv, :, :], m_s)
                 # h_j <- Z_j + M_j h_{j-1}
                 T.copy(h_f, h_s)
@@ -817,9 +842,16 @@ def chain_kernel(HV: int):
                 for e in T.serial(K):
                     for r, c in T.Parallel(K, BC):
                         h_f[r, c] = h_f[r, c] + m_s[r, e] * h_s[e, c]
-                T.copy(h_f, hs[s, i_hv, :, c0:c0 + BC])
+                if row_of_slot[s] >= 0:
+                    T.copy(h_f, h_seg[row_of_slot[s], i_hv, :, c0:c0 + BC])
+            for j in T.serial(steps - chained):
+                s = (j + 1) * num_seqs + i_n
+                # h_j <- Z_j (every M_j of this head is zero)
+                if row_of_slot[s] >= 0:
+                    T.copy(z[s, i_hv, :, c0:c0 + BC], h_f)
+                    T.copy(h_f, h_seg[row_of_slot[s], i_hv, :, c0:c0 + BC])
 
-    return autocp_chain
+    return autocp_chain_rows
 
 
 # ---- promoted from kernels/gdn_fwd/s10_lean_chain.py (THREADS renamed FUSED_THREADS)
@@ -1348,11 +1380,11 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
     return gdn_fused_state_value
 
 
-# compile options beyond the target, as the stages use them. The fused kernel: no shared-memory
+# compile options beyond the target, as the stages use them. The fused and warm-up kernels: no shared-memory
 # reuse (TileLang plans it as if the role branches ran one after another), fast math (exp2 is one
 # ex2.approx, no branch)
 PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
-                for builder in (fused_reform_kernel, fused_state_value_kernel)}
+                for builder in (fused_reform_kernel, fused_state_value_kernel, warmup_kernel)}
 
 
 @functools.cache
@@ -1409,11 +1441,13 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         with nvtx_range("fwd.autocp_warmup"):
             _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
                                             p.slot_chunk, exact, z, m)
-        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every slot, then of every segment row
-        hs = torch.empty_like(z)
+        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row (M read only
+        # for a head with an exact slot); rows past the real ones (empty segments) stay unwritten:
+        # phase 3 only copies them into final states that nobody reads
+        h_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
         with nvtx_range("fwd.autocp_chain"):
-            _compiled(chain_kernel, HV)(h0, z, m, hs)
-        h0 = hs.index_select(0, p.slot_of_segment)
+            _compiled(chain_kernel, HV)(h0, z, m, exact, p.row_of_slot, h_seg)
+        h0 = h_seg
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths

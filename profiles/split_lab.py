@@ -3,7 +3,8 @@ the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24] [--heads H,HV ...] [--commit SHA]
+    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24] [--heads H,HV ...]
+        [--problems LABEL ...] [--commit SHA]
 
 For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
 ``cp=L`` for each L of LS whose segments are at most a third of the longest sequence (L = 0:
@@ -29,12 +30,15 @@ from flashqla.testing import Problem
 PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
             for lengths in ((32768,), (28672, 4096), (8192,))] + [
     Problem(8, 32, (32768,)), Problem(16, 32, (32768,)), Problem(8, 24, (32768,)), Problem(2, 8, (2048,)),
-    Problem(8, 24, (28672, 4096))]
+    Problem(8, 24, (28672, 4096)),
+    # where s23's rule splits and no earlier rule did
+    Problem(8, 32, (8192,)), Problem(16, 32, (8192,)), Problem(8, 24, (8192,)),
+    Problem(8, 32, (28672, 4096)), Problem(16, 32, (28672, 4096))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
 PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23}  # the stage whose split a stage's sweep is compared with
 
 
-def measure(out: Path, heads, commit: str, stage: int) -> int:
+def measure(out: Path, heads, commit: str, stage: int, labels=()) -> int:
     import torch
 
     from flashqla import autocp, bench, stages
@@ -49,7 +53,7 @@ def measure(out: Path, heads, commit: str, stage: int) -> int:
     meta = dict(bench.versions(commit), method="CUDA graph replay, median (bench.time_row)")
     rows = []
     for p in PROBLEMS:
-        if heads and (p.H, p.HV) not in heads:
+        if heads and (p.H, p.HV) not in heads or labels and bench.short_label(p.label) not in labels:
             continue
         sets = bench.input_sets(p, l2)
         x = sets[0]
@@ -97,6 +101,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path)
     ap.add_argument("--heads", nargs="*", default=[], help="only these, e.g. 16,16 2,8")
+    ap.add_argument("--problems", nargs="*", default=[], help='only these, e.g. "(8, 32) 1x8192"')
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--stage", type=int, default=18, choices=sorted(PREVIOUS))
     ap.add_argument("--report", action="store_true", help="print the table of an existing CSV")
@@ -104,4 +109,5 @@ if __name__ == "__main__":
     if a.report:
         print(report(a.csv, a.stage))
         sys.exit(0)
-    sys.exit(measure(a.csv, {tuple(int(n) for n in h.split(",")) for h in a.heads}, a.commit, a.stage))
+    sys.exit(measure(a.csv, {tuple(int(n) for n in h.split(",")) for h in a.heads}, a.commit, a.stage,
+                     set(a.problems)))

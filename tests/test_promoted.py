@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s22) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s24) gives."""
 
 import functools
 import sys
@@ -20,9 +20,10 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 16, 1)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
-    (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
-    (fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (2, 8)),
-    (fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
+    (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
+    (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (2, 8)),
+    (fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
+    (fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (8,)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
@@ -94,13 +95,13 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s22's rule, forced or decided."""
-    s22 = load("gdn_fwd", 22)
+    """AutoCP's split per launch is gdn_fwd.s24's rule (s23's), forced or decided."""
+    s24 = load("gdn_fwd", 24)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s22.segment_chunks(chunks, hv, sms, step, force)
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s24.PIPELINE.segment_chunks(chunks, hv, sms, step, force)
     assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 8, 32, 64}
 
 
@@ -115,14 +116,14 @@ def test_a_changed_kernel_is_caught():
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
-    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
-    (fwd, "REGS_WARMUP_CHAIN", 232, fwd.warmup_kernel, ("gdn_fwd", 20), "warmup_kernel", (16, 32)),
-    (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 21), "chain_kernel", (32,)),
+    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
+    (fwd, "REGS_WARMUP_STATE", 160, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
+    (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
 ], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.SOLVE_HALF", "fwd.BLOCK",
-        "fwd.REGS_WARMUP_CHAIN", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
+        "fwd.REGS_WARMUP_STATE", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -147,15 +148,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s22's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s24's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining)."""
-    s22 = load("gdn_fwd", 22)
+    s24 = load("gdn_fwd", 24)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s22.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s24.forward)]
     run_on_threads(calls)
 
 
@@ -188,9 +189,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s22's kernels in s22's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s24's kernels in s24's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 22).forward(**x, cp=cp)
+    want = load("gdn_fwd", 24).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

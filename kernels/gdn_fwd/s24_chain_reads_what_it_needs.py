@@ -115,8 +115,8 @@ def kernel_source() -> str:
 
 def segment_initial_states(p, h0, z, m, exact):
     """s21's ``segment_initial_states`` (h0 [N, HV, K, V], Z [J N, HV, K, V], M [J N, HV, K, K],
-    fp32; exact [J N, HV] int32) written by row -> [S, HV, K, V]; rows past the real ones are not
-    written (phase 3 reads nothing of them but passes them through to states nobody reads)."""
+    fp32; exact [J N, HV] int32) written by row -> [S, HV, K, V]; rows past the real ones (empty
+    segments) stay unwritten: phase 3 only copies them into final states that nobody reads."""
     h_seg = torch.empty(p.bounds.shape[0] - 1, *z.shape[1:], dtype=z.dtype, device=z.device)
     with nvtx_range("gdn_fwd.s24"):
         _chain(h0.shape[1])(h0, z, m, exact, p.row_of_slot, h_seg)
