@@ -95,13 +95,13 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s24's rule (s23's), forced or decided."""
+    """AutoCP's split per launch is gdn_fwd.s24's rule, forced or decided."""
     s24 = load("gdn_fwd", 24)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s24.PIPELINE.segment_chunks(chunks, hv, sms, step, force)
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s24.segment_chunks(chunks, hv, sms, step, force)
     assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 8, 32, 64}
 
 

@@ -278,7 +278,7 @@ def kernel_source() -> str:
 
 
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
-                   force: bool | int | None = None) -> int:
+                   force: bool | int | None = None, costs: tuple | None = None) -> int:
     """s22's rule at this stage's costs: L0 (s18's L, the shortest whose segments fit two phase-3
     CTAs an SM) and 2 L0 each cost, in chunk steps at BV 64,
 
@@ -286,7 +286,9 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
 
     with J the longest sequence's segments and load the phase-3 CTAs an SM (2 HV a segment).
     Automatic (``force`` None): the cheaper, if below the unsplit launch's ``unsplit_step`` x the
-    longest sequence, else 0. ``force``: False never splits, True splits at the cheaper, an int is L."""
+    longest sequence, else 0. ``force``: False never splits, True splits at the cheaper, an int is L.
+    ``costs``: (chunk, segment, fixed) in place of this stage's (a later stage's refit)."""
+    chunk_cost, segment_cost, fixed_cost = costs or (SEGMENT_CHUNK_STEPS, SEGMENT_STEPS, FIXED_STEPS)
     s18 = PIPELINE.PIPELINE.PIPELINE.PIPELINE
     if force is not None and force is not True:
         return s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force)
@@ -294,24 +296,26 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
     if not L0:
         return 0
     longest = max(seq_chunks)
-    costs = []
+    priced = []
     for L in (L0, 2 * L0):
         J = -(-longest // L)
         load = 2 * HV * sum(-(-c // L) for c in seq_chunks) / num_sms
         if J >= 2:
-            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+            priced.append((chunk_cost * L * (1 + load / 2) + segment_cost * J + fixed_cost, L))
     if force is True:
-        return min(costs)[1] if costs else L0
-    return min(costs + [(unsplit_step * longest, 0)])[1]
+        return min(priced)[1] if priced else L0
+    return min(priced + [(unsplit_step * longest, 0)])[1]
 
 
-def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
-    """s18's ``split_plan`` at the segment length of this stage's rule (None: no split)."""
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float,
+               costs: tuple | None = None):
+    """s18's ``split_plan`` at the segment length of this stage's rule (None: no split); ``costs``
+    as in ``segment_chunks``."""
     s18 = PIPELINE.PIPELINE.PIPELINE.PIPELINE
     bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
     seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
                   else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
-    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
+    L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp, costs)
     return s18.split_plan(cu_seqlens, B, T, HV, num_sms, device, L if L else False, unsplit_step)
 
 

@@ -40,6 +40,14 @@ CHAIN = stages.load("gdn_fwd", 21)      # phase 2's tiles
 CHUNK_SIZE = PIPELINE.CHUNK_SIZE
 HEAD_DIM = PIPELINE.HEAD_DIM
 DEFAULT_SHAPE = dict(HV=32)
+# the rule's costs (s23's ``segment_chunks``), refitted to this stage's sweep, which adds the five
+# problems that s23's costs split and no earlier rule did: the grid search of s22 and s23, with a
+# problem's bar the fastest of the choices the rule weighs (unsplit, L0, 2 L0; on (8, 32) and (16,
+# 32) 28672+4096 L0 is 150, the sweep's best L 64); of the points with a segment cost >= 0, the one
+# with the most feasible grid neighbours (121 of 125)
+SEGMENT_CHUNK_STEPS = 1.5
+SEGMENT_STEPS = 0.2
+FIXED_STEPS = 24
 
 
 def chain_kernel(HV: int):
@@ -123,10 +131,23 @@ def segment_initial_states(p, h0, z, m, exact):
     return h_seg
 
 
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """s23's rule at this stage's costs."""
+    return PIPELINE.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force,
+                                   (SEGMENT_CHUNK_STEPS, SEGMENT_STEPS, FIXED_STEPS))
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
+    """s23's ``split_plan`` at this stage's costs."""
+    return PIPELINE.split_plan(cu_seqlens, B, T, HV, num_sms, device, cp, unsplit_step,
+                               (SEGMENT_CHUNK_STEPS, SEGMENT_STEPS, FIXED_STEPS))
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
-    """s23's ``forward`` (its rule; ``cp`` None decides, False never splits, True splits by the
-    rule, an int is the segment length in chunks) with this stage's phase 2."""
+    """s23's ``forward`` with this stage's phase 2 and rule (``cp`` None decides, False never
+    splits, True splits by the rule, an int is the segment length in chunks)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -139,7 +160,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     sms = autocp.num_sms(device)
     widths, fused = s18.WIDTHS, s18.PIPELINE
     BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
-    p = PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
     if p is None:
         o, ht = fused._fused(q, k, v, ab, g_cum, gated, initial_state, cu_seqlens, scale, BV, widths)
         return o, (ht if output_final_state else None)
