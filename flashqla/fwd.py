@@ -3,14 +3,15 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s22's
-pipeline: s21's (s20's, with AutoCP's phase 2 in one kernel) with its rule refitted, on
-gate_free_solve.s09's solve (s08's tensor-core half with one or two value heads a CTA, s06's
-blocked solve with three or four), and a fused kernel whose width comes from the sequence lengths
-(``block_v``, s15's rule): s12's (s07's reformulated, warp-specialized kernel with a lean chain,
-s10) at 32 value columns a CTA, s16's (the chain split over a state and a value warpgroup, s14,
-with O stored by TMA) at 64 and 128; with AutoCP (s18's: the plan from the host, the windows from
-g, beta and the flags; s20's warm-up on warp roles; s21's chaining; s22's rule).
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s24's
+pipeline: s22's (s21's, with AutoCP's phase 2 in one kernel, on gate_free_solve.s09's solve: s08's
+tensor-core half with one or two value heads a CTA, s06's blocked solve with three or four) with
+s23's warm-up (phase 1 on a state and a value warpgroup), s24's phase 2 (M read only for heads
+with an exact slot, states written by segment row) and s24's rule, and a fused kernel whose width
+comes from the sequence lengths (``block_v``, s15's rule): s12's (s07's reformulated,
+warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA, s16's (the chain split
+over a state and a value warpgroup, s14, with O stored by TMA) at 64 and 128; with AutoCP (s18's:
+the plan from the host, the windows from g, beta and the flags).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
@@ -35,25 +36,23 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   decay reaches -10) or exact (g = 0
                                                                   heads, the bound's conditions
                                                                   broken in the previous segment)
-    gdn_fwd.s20 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
+    gdn_fwd.s23 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
                                                                   zero (Z), and for exact heads the
                                                                   previous segment's transition (M,
                                                                   the chain from I with v = 0); the
                                                                   fused kernels' math, from the
                                                                   solve's Ab, on warp roles
-                                                                  (producer, wy, chain): 0.62-0.68x
-                                                                  s18's kernel time; s20 is
-                                                                  1.17-1.23x s18 where both split
-                                                                  (2 x H100, 9ce8cef,
-                                                                  autocp_split.csv)
-    gdn_fwd.s21 (chain)      h0, Z, M                -> h_seg     each segment's initial state,
+                                                                  (producer, wy, value, state):
+                                                                  0.75-0.81x s20's kernel time
+                                                                  (one H100, f36f275)
+    gdn_fwd.s24 (chain)      h0, Z, M, exact         -> h_seg     each segment row's initial state,
                                                                   h_j = Z_j + M_j h_{j-1}, in one
                                                                   kernel (a CTA per sequence, head
                                                                   and 8 state columns; M_{j+1}
                                                                   loaded by TMA while M_j
-                                                                  multiplies): 38 us on (2, 8)
-                                                                  1x32768 against s20's 122 of
-                                                                  batched matmuls and copies
+                                                                  multiplies, only for a head with
+                                                                  an exact slot; else h_j = Z_j):
+                                                                  22-26 us where s21's took 33-37
     gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
                                                        (U = K S, W = V - diag(exp g) U,
                                                        V~ = (Gamma * Ab) W) and the output in one
@@ -889,8 +888,8 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s20_lean_warmup.py and s22_rule_and_solve.py
-# (AutoCP's rule and plan: s18's shortest L that fits, s20's candidates, s22's costs)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s20_lean_warmup.py and s24_chain_reads_what_it_needs.py
+# (AutoCP's rule and plan: s18's shortest L that fits, s20's candidates, s24's costs)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk

@@ -11,15 +11,50 @@ What changed from s23: phase 2 (``chain_kernel``, s21's chaining h_j = Z_j + M_j
   (``Plan.slot_of_segment``): a second pass over all the states (8 MiB on (4, 16) 1x8192 at L 16).
   Here the kernel writes each slot's state into its row (``Plan.row_of_slot``, -1: no segment).
 
-Why (one H100, commit f36f275, torch.profiler; ``.diag``-free numbers in s23's docstring): phase 2
-took 33-37 us on every split problem, whatever its heads and length: (2, 8) 1x8192 at L 8, 34.5
-us; (16, 16) 1x32768 at L 64, 36.0; (8, 24) 1x32768 at L 103, 32.7. Each moved M 16 times: 16
-slots x 8 heads x 64 KiB x 16 = 134 MB on (2, 8) 1x8192, 134 MB on (16, 16) 1x32768, 151 MB on
-(8, 24): 3.9-4.6 TB/s, the L2's bandwidth. On the benchmark's inputs only the g = 0 heads (a
-quarter) are exact, so a quarter of that traffic is needed. The ``index_select`` after it took 5-13
-us more.
+Why (one H100, commit f36f275, torch.profiler): phase 2 took 33-37 us on every split problem,
+whatever its heads and length: (2, 8) 1x8192 at L 8, 34.5 us; (16, 16) 1x32768 at L 64, 36.0;
+(8, 24) 1x32768 at L 103, 32.7. Each moved M 16 times: 16 slots x 8 heads x 64 KiB x 16 = 134 MB
+on (2, 8) 1x8192, 134 MB on (16, 16) 1x32768, 151 MB on (8, 24): 3.9-4.6 TB/s, the L2's
+bandwidth. On the benchmark's inputs only the g = 0 heads (a quarter) are exact, so a quarter of
+that traffic is needed. The ``index_select`` after it took 5-13 us more.
 
-Measured effect: not yet (GPU tests, per-kernel times and a split sweep next).
+Then the rule. s23's costs were fitted to a sweep of 14 problems; they also split five problems
+that no earlier rule split and no sweep had timed: (8, 32) and (16, 32) 1x8192 (L 32: 3-5 % slower
+than unsplit), (8, 24) 1x8192 (L 26: 0.92x unsplit, the best), (8, 32) and (16, 32) 28672+4096
+(L 150: 1 % slower than unsplit, where L 64 is 7 % faster; the rule's candidates are only L0 = 150
+and 2 L0). This stage's sweep (``profiles/split_lab.py --stage 24``, 19 problems, commits 6879a4c
+and c5feab3) refits s23's form: a chunk of a segment 1.5 steps, a segment 0.2, fixed 24
+(``SEGMENT_CHUNK_STEPS``). On those two 28672+4096 problems the rule is held to the best of its
+own choices (unsplit), not to L 64: choosing L outside {L0, 2 L0} is left for later.
+
+Measured effect (one H100). Per kernel at the same L as s23 (commit 6879a4c, torch.profiler):
+phase 2 takes 25-26 us instead of 36-37 on (4, 16) and (16, 16) 1x8192 and (16, 16) 1x32768, 22.7
+instead of 32.6 on (8, 24) 1x32768; no change on (2, 8) (37.5 us at L 32, 36.3 at L 8): with two
+exact heads the chain is latency-bound, 15 serial steps of a 128-long fp32 product each. Whole
+forward, same L, same process: 0.89-0.96x s23's time on (4, 16), (16, 16), (8, 24) and (2, 8)
+1x8192; level on (2, 8) 1x32768. The benchmark (commit 66387ea, one H100; s22 the stage before
+the split warm-up, both peers in the same process), ms:
+
+    problem               s24     s22    x s22   FlashQLA   FLA
+    (2, 8) 1x8192         0.167   0.186  0.90     0.168    0.243
+    (2, 8) 1x32768        0.355   0.391  0.91     0.402    0.996
+    (2, 8) 28672+4096     0.359   0.418  0.86     0.393    0.913
+    (4, 16) 1x8192        0.208   0.248  0.84     0.220    0.334
+    (4, 16) 1x32768       0.569   0.650  0.88     0.677    1.381
+    (4, 16) 28672+4096    0.567   0.681  0.83     0.694    1.310
+    (8, 32) 1x32768       1.051   1.129  0.93     1.256    2.182
+    (16, 32) 1x32768      1.041   1.122  0.93     1.265    2.207
+    (8, 24) 1x8192        0.280   0.299  0.94     0.282    0.429
+    (8, 24) 1x32768       0.843   0.959  0.88     1.024    1.766
+    (8, 24) 28672+4096    0.885   0.994  0.89     0.810    1.715
+    (16, 16) 1x8192       0.233   0.275  0.85     0.228    0.361
+    (16, 16) 1x32768      0.623   0.701  0.89     0.692    1.416
+    (16, 16) 28672+4096   0.625   0.742  0.84     0.717    1.347
+
+(the other four split problems of the run stay unsplit under this rule: 0.99-1.02x s22.)
+GPU tests (commit 6879a4c, with s23's rule): phase 2 bit for bit against s21's on every real row,
+M NaN where no slot is exact (3 plans); the public shapes (24); AutoCP's CP on vs off, flags,
+determinism, graph replay (10). The library's forward on this stage: ``test_promoted`` (c5feab3).
 
 Taught in: notebooks/05_autocp.py (section 12)
 """
