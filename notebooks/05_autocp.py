@@ -640,7 +640,7 @@ for label, t in sweep21.items():
 # (0.85-0.91x), where a warm-up chunk costs 4.7 us against phase 3's 3.3.
 
 # %% [markdown]
-# ## 11. Phase 1 on the state/value split: `gdn_fwd.s23` (not measured yet)
+# ## 11. Phase 1 on the state/value split: `gdn_fwd.s23`
 #
 # Why does a warm-up chunk cost more than a phase-3 chunk? Count the long CTAs. A decaying
 # head's window is about one chunk here (the benchmark's heads decay by about 0.18 or 2.2 a token,
@@ -679,6 +679,70 @@ assert "__launch_bounds__(384, 1)" in s20._compiled(2, 8).get_kernel_source()
 assert "__launch_bounds__(512, 1)" in s23._compiled(2, 8).get_kernel_source()
 
 # %% [markdown]
-# ptxas gives it 128 registers at launch, no spills and no C7517 note. Its GPU tests (its $Z$ and
-# $M$ against s20's, CP on against off, the public shapes) and its timing come next; until then it
-# is not promoted.
+# ptxas gives it 128 registers at launch, no spills and no C7517 note. On one H100 (commit
+# f36f275, `torch.profiler`, both stages at the same L) the warm-up kernel takes 0.75-0.81x s20's
+# time: 149 -> 118 us on (2, 8) 1 x 32768 at L = 32, 257 -> 197 on (16, 16) 1 x 32768 at L = 64,
+# 395 -> 296 on (8, 24) 1 x 32768 at L = 103. A cheaper phase 1 moves the best split, so s23 was
+# swept (`profiles/split_lab.py --stage 23`) and s22's costs refitted by the same grid search: a
+# chunk of a segment now costs 1.1 steps instead of 2.0, which makes (8, 32) and (16, 32)
+# 1 x 32768 worth splitting (L = 128: 1.06 ms against 1.14-1.15 unsplit, FlashQLA 1.26-1.27).
+
+# %%
+s23_sweep = bench.split_sweep("gdn_fwd.s23")
+print(f"{'problem':22s} {'s23 rule':>13s} {'s22 (own rule)':>15s} {'FlashQLA':>9s}")
+for label, t in s23_sweep.items():
+    _, hv, lens = bench.heads_and_lengths(label)
+    chunks = [-(-n // C) for n in lens]
+    step = s18.WIDTHS.step[s18.PIPELINE.block_v(chunks, hv, 128, 132, s18.WIDTHS.step)]
+    L = s23.segment_chunks(chunks, hv, 132, step)
+    mine = t["gdn_fwd.s23", str(L)]
+    print(f"{bench.short_label(label):22s} {mine:7.3f} L{L:<4d} {t['gdn_fwd.s22', '']:15.3f} {t['FlashQLA', '']:9.3f}")
+    assert mine <= 1.03 * min(v for k, v in t.items() if k[0] == "gdn_fwd.s23")  # the rule's choice
+    if L:
+        assert mine < t["gdn_fwd.s22", ""]                                         # faster than s22 wherever it splits
+
+# %% [markdown]
+# ## 12. Phase 2 moves only what it needs: `gdn_fwd.s24`
+#
+# After s23, phase 2 (s21's chain) took 33-37 us on every split problem, whatever its heads and
+# length. Count its bytes: each CTA holds 8 of a state's 128 columns and loads all of $M_j$
+# (128 x 128 fp32, 64 KiB) for them, so $M$ is read 16 times: 134 MB on (2, 8) 1 x 8192 at
+# L = 8 (16 slots x 8 heads), 3.9 TB/s, the L2's bandwidth. But a warm-up head's $M_j$ is zero
+# (phase 1 writes zeros): only exact heads, a quarter here, need it. s24's chain reads a head's
+# exact flags first and, where none is set, copies $Z_j$; it also writes each state straight into
+# its segment row (`Plan.row_of_slot`) instead of leaving that to an `index_select`:
+
+# %%
+s24 = load("gdn_fwd", 24)
+src = inspect.getsource(s24.chain_kernel)
+print(src[src.index("            # chained <- steps"):src.index("    return autocp_chain_rows")])
+
+# %% [markdown]
+# Phase 2 then takes 22-26 us where it took 33-37 (one H100, commit 6879a4c), except on (2, 8):
+# with two exact heads its chain is latency-bound (15 serial steps of a 128-long fp32 product).
+# s23's costs also split five problems that no sweep had timed; s24's sweep adds them, and its
+# refit (1.5 / 0.2 / 24) keeps (8, 32) and (16, 32) 1 x 8192 whole (the split lost 3-5 %) and
+# splits (8, 24) 1 x 8192 at L = 26 (0.92x unsplit). On (8, 32) and (16, 32) 28672+4096 the rule
+# can only weigh L0 = 150 and 2 L0, and L = 64 would be 7 % faster than the unsplit launch it
+# picks: a rule that weighs other lengths is left for later.
+
+# %%
+s24_sweep = bench.split_sweep("gdn_fwd.s24")
+print(f"{'problem':22s} {'unsplit':>8s} {'s24 rule':>13s} {'best L':>13s} {'FlashQLA':>9s}")
+for label, t in s24_sweep.items():
+    _, hv, lens = bench.heads_and_lengths(label)
+    chunks = [-(-n // C) for n in lens]
+    step = s18.WIDTHS.step[s18.PIPELINE.block_v(chunks, hv, 128, 132, s18.WIDTHS.step)]
+    L, L0 = s24.segment_chunks(chunks, hv, 132, step), s18.segment_chunks(chunks, hv, 132, 0.0, True)
+    timed = {int(k[1]): v for k, v in t.items() if k[0] == "gdn_fwd.s24" and k[1] != ""}
+    best = min(timed, key=timed.get)
+    print(f"{bench.short_label(label):22s} {timed[0]:8.3f} {timed[L]:7.3f} L{L:<4d} {timed[best]:7.3f} L{best:<4d} "
+          f"{t['FlashQLA', '']:9.3f}")
+    assert timed[L] <= 1.03 * min(timed[c] for c in (0, L0, 2 * L0) if c in timed)  # best of its choices
+
+# %% [markdown]
+# In the benchmark (one H100, commit 66387ea, both peers in the same process) the API on s24 takes
+# 0.82-0.91x the time of s22 on the problems it splits, and is faster than FlashQLA on 13 of those
+# 18, by up to 1.24x ((16, 32) 1 x 32768: 1.025 ms against 1.265). Still behind: (8, 24)
+# 28672+4096 (0.907 ms against 0.810; FlashQLA's warm-up there is half its 1 x 32768 one, not
+# investigated), and level within 1 % on the 1 x 8192 of (2, 8), (8, 32), (16, 32) and (16, 16).
