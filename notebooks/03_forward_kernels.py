@@ -299,6 +299,25 @@ if chunk_o:
     cuda_excerpt(chunk_o.kernel_source(), FEATURES)
 
 # %% [markdown]
+# The smallest of them shows what a latency-bound kernel looks like. `chunk_local_cumsum.s01` gives
+# a head's whole chunk to one thread: 64 loads, then 63 dependent adds, one warp a CTA, and
+# TileLang guards every access against the tensor's bounds (a branch around each load and store).
+# `s02` splits the chunk over eight threads a head (a scan of 8 in registers, the totals through
+# shared memory, one barrier: 15 dependent adds on the path) and turns the bounds checks off,
+# because the chunk table already keeps every access in bounds. Find the bounds checks in the
+# generated CUDA (each sits inside a loop that ptxas unrolls 64 times: about 255 branches in s01's
+# SASS):
+
+# %%
+cumsum1, cumsum2 = stage_module("chunk_local_cumsum", 1), stage_module("chunk_local_cumsum", 2)
+if cumsum1 and cumsum2:
+    show_kernel(cumsum2)
+    checks = {name: m.kernel_source().split("__global__")[-1].count("< num_tokens")
+              for name, m in (("s01", cumsum1), ("s02", cumsum2))}
+    print("bounds checks against num_tokens in the kernel's CUDA:", checks)
+    assert checks["s01"] == 2 and checks["s02"] == 0
+
+# %% [markdown]
 # ### Napkin math: one chunk, kernel by kernel
 #
 # Per (chunk, value head) with $K = V = 128$ and $C = 64$: the FLOPs of each kernel, and the bytes

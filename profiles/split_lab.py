@@ -15,9 +15,11 @@ two segments or more, ``gdn_fwd.sNN auto`` (the rule), the stage before it
 (CUDA-graph replay over input sets that exceed twice the L2 cache, median). ``rel_err``: the
 split's o and final state against the unsplit launch's (relative L2, the larger), which the
 warm-up's bound keeps at bf16 rounding. Plus ``flashqla.bench.versions``' provenance columns.
-``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80), one of s20
-and one of s21 (three calls); ``tests/test_autocp.py`` checks the rules of s18, s20 and s22 (which
-runs s21's kernels) against them. ``--report IN.csv`` prints the table.
+``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80), one of s20,
+one of s21 (three calls), one of s23 (one H100, f36f275) and one of s24 (one H100, 6879a4c, and
+c5feab3 for the five problems s23's rule was the first to split); ``tests/test_autocp.py`` checks
+the rules of s18, s20, s22 (which runs s21's kernels), s23 and s24 against them. ``--report IN.csv``
+prints the table.
 """
 
 import argparse

@@ -37,8 +37,11 @@ issues the two 16-byte loads one after the other). Both stages still wait for th
 row before the first load of g: two global-memory latencies in a row. At HV = 64 the CTA has 512
 threads; shared memory is P x HV x 4 bytes (2 KiB at HV = 64).
 
-Measured effect: not yet measured (s01 on one H100, torch.profiler: 7.3 us on (8, 32) 1 x 2048,
-4.3-4.5 us at HV 16 and 24; FlashQLA's cumsum 2.6-3.7 us on the same problems).
+Measured effect: not yet measured. Its GPU tests pass (one H100, commit c5feab3: the public shapes
+against the float64 reference). A first timing of the kernel alone (CUDA-graph replay of one launch
+over one input set) gave 17-18 us for s01 and s02 alike on every problem tried, launch overhead of
+that harness, not the kernels; per kernel in the forward (torch.profiler) s01 takes 7.3 us on (8,
+32) 1 x 2048 and 4.3-4.5 us at HV 16 and 24, FlashQLA's cumsum 2.6-3.7 us.
 
 Taught in: notebooks/03_forward_kernels.py
 """

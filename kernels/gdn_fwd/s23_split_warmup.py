@@ -55,7 +55,9 @@ the warm-up kernel takes 0.75-0.81x s20's time (149 -> 118 us on (2, 8) 1x32768 
     (2, 8) 1x2048          -   0.094   0.090   1.04     0.892   (unsplit, both: noise)
 
 GPU tests (commit f36f275): Z and M against s20's (15 cases), the public shapes (24), AutoCP's
-CP on vs off, flags, determinism and graph replay (10).
+CP on vs off, flags, determinism and graph replay (10). Not promoted alone: gdn_fwd.s24 runs this
+phase 1 with a leaner phase 2, and refits the rule again on five problems these costs were the
+first to split without a sweep behind them.
 
 Taught in: notebooks/05_autocp.py (section 11)
 """
