@@ -97,7 +97,8 @@ def split_sweep(number: int) -> dict:
             for label, t in bench.split_sweep(stage).items()}
 
 
-SWEEP_OF = {18: 18, 20: 20, 22: 21, 23: 23, 24: 24}  # the stage whose sweep checks a rule (s22 runs s21's kernels)
+SWEEP_OF = {18: 18, 20: 20, 22: 21, 23: 23, 24: 24, 25: 24}  # the stage whose sweep checks a rule (s22 runs
+# s21's kernels, s25 s24's)
 RULE_CASES = [(number, label) for number in SWEEP_OF for label in split_sweep(SWEEP_OF[number])]
 
 
@@ -108,7 +109,8 @@ def test_rule_picks_a_fastest_measured_split(number, label):
     L), or one within 3 % of it: the sweep's noise (about 1 % between runs), and L0 = 103 on (8, 24)
     1x32768, 2.7 % behind L 96, whose sixth segment the rule does not price. s24's sweep adds (8,
     32) and (16, 32) 28672+4096, where the rule's candidates are unsplit, 150 and 300 and the best
-    L is 64 (7 % faster than unsplit): s24's rule is held to the fastest of its own choices."""
+    L is 64 (7 % faster than unsplit): s24's rule is held to the fastest of its own choices;
+    s25's, which weighs every length of the sweep's ladder, to the fastest of all."""
     from flashqla.stages import load
 
     mod = load("gdn_fwd", number)
@@ -119,7 +121,7 @@ def test_rule_picks_a_fastest_measured_split(number, label):
     L = mod.segment_chunks(seq_chunks, HV, 132, s18.WIDTHS.step[BV])
     timed = split_sweep(SWEEP_OF[number])[label]
     best = min(timed.values())
-    if number >= 24:  # the fastest of the choices the rule weighs: unsplit, L0 and 2 L0
+    if number == 24:  # the fastest of the choices the rule weighs: unsplit, L0 and 2 L0
         L0 = s18.segment_chunks(seq_chunks, HV, 132, 0.0, True)
         best = min(timed[c] for c in (0, L0, 2 * L0) if c in timed)
     assert len(timed) > 1 and L in timed and timed[L] <= 1.03 * best, (L, timed)
@@ -764,7 +766,8 @@ def test_s18_captures_without_an_eager_call():
                                                      (20, "SEGMENT_STEPS", 0), (20, "SEGMENT_CHUNK_STEPS", 3.2),
                                                      (22, "SEGMENT_STEPS", 3.8), (22, "SEGMENT_CHUNK_STEPS", 2.6),
                                                      (23, "SEGMENT_CHUNK_STEPS", 2.0), (23, "FIXED_STEPS", 10),
-                                                     (24, "SEGMENT_CHUNK_STEPS", 1.1), (24, "FIXED_STEPS", 36)])
+                                                     (24, "SEGMENT_CHUNK_STEPS", 1.1), (24, "FIXED_STEPS", 36),
+                                                     (25, "WAVE_CHUNK_STEPS", 1.5), (25, "FIXED_STEPS", 60)])
 def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
     """The check above fails for an s18 rule that fills one CTA an SM (L = 64 on (2, 8) 1 x 32768:
     0.78 ms against 0.56 at L = 32) or forgets the fixed cost (splits 1 x 8192, which lost), and
@@ -775,7 +778,9 @@ def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
     s22's price of a chunk (no split of (16, 32) 1 x 32768: 1.150 ms against 1.061 at L = 128) or
     of the fixed cost (L = 8 on (2, 8) 1 x 2048: 0.100 ms against 0.094 unsplit), and for an s24
     rule with s23's price of a chunk or its fixed cost (L = 32 on (16, 32) 1 x 8192: 0.333 ms
-    against 0.318 unsplit)."""
+    against 0.318 unsplit), and for an s25 rule with s24's price of a chunk (the same split of
+    (16, 32) 1 x 8192) or too large a fixed cost (no split of (4, 16) 1 x 8192: 0.281 ms against
+    0.208 at L = 16)."""
     from flashqla.stages import load
 
     monkeypatch.setattr(load("gdn_fwd", number), constant, value)
