@@ -113,15 +113,18 @@ MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the hea
 CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21's tiles): state columns per CTA, V / 8 per (sequence, head)
 CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
 CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
-PHASE3_CTAS_PER_SM = 2                 # AutoCP's rule (``segment_chunks``, gdn_fwd.s24's): segments
-SEGMENT_CHUNK_STEPS = 1.5              # fill two CTAs an SM (or half as many); the split costs these
-SEGMENT_STEPS = 0.2                    # chunk steps at BV 64 per chunk of a segment at one CTA an
-FIXED_STEPS = 24                       # SM, per segment and once
+SEGMENT_LADDER = (8, 16, 24, 32, 48, 64, 96)  # AutoCP's rule (``segment_chunks``, gdn_fwd.s25's): the
+PHASE3_CTAS_PER_SM = 2                 # lengths it weighs besides L0 and 2 L0; phase 3's BV 64 CTAs an
+WAVE_CHUNK_STEPS = 2.45                # SM in a wave; a split's cost in chunk steps at BV 64: per chunk
+SEGMENT_STEPS = 4.8                    # of a segment and wave of phase 3, per segment of the longest
+FIXED_STEPS = 16                       # sequence, once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
+SOLVE_SPREAD_HEADS = 2    # gate_free_solve.s10: heads a CTA where cta_heads would leave SMs without a CTA
+CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)
@@ -168,13 +171,14 @@ STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, 
         WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
 
 
-# ---- promoted from kernels/chunk_local_cumsum/s01_all_heads_per_cta.py
+# ---- promoted from kernels/chunk_local_cumsum/s02_segmented_scan.py
 def chunk_local_cumsum_kernel(HV: int):
     """The T.prim_func for HV value heads; any token or chunk count."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
-    BT = CHUNK_SIZE
-    threads = 32 * -(-HV // 32)  # one thread per head, whole warps
+    BT, P = CHUNK_SIZE, CUMSUM_SEGMENTS
+    L = BT // P                                # tokens a segment
+    threads = 32 * -(-(HV * P) // 32)          # whole warps
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
 
@@ -185,22 +189,38 @@ def chunk_local_cumsum_kernel(HV: int):
         g_cum: T.Tensor((num_tokens, HV), "float32"),
     ):
         with T.Kernel(num_chunks, threads=threads) as i_c:
-            h = T.get_thread_binding()                         # this thread's value head
+            tid = T.get_thread_binding()
+            h = tid % HV                                       # this thread's value head
+            j = tid // HV                                      # its segment; >= P on padding threads
             bos = chunk_bounds[i_c, 0]
             n = chunk_bounds[i_c, 1] - bos                     # chunk length, 0..64
-            x = T.alloc_local((BT,), "float32")
-            acc = T.alloc_var("float32")
-            if h < HV:
-                # x_i <- g[bos + i, h] for the chunk's n rows
-                for i in T.unroll(BT):
-                    if i < n:
-                        x[i] = g[bos + i, h]
-                # g_cum[bos + i, h] <- x_0 + ... + x_i
-                acc = 0.0
-                for i in T.unroll(BT):
-                    if i < n:
-                        acc = acc + x[i]
-                        g_cum[bos + i, h] = acc
+            x = T.alloc_local((L,), "float32")
+            totals = T.alloc_shared((HV * P,), "float32")      # t_j,h at h P + j
+            t = T.alloc_local((P,), "float32")                 # t_0,h .. t_{P-1},h
+            off = T.alloc_var("float32")
+            # x_r <- g[bos + j L + r, h], zero past the chunk's end
+            for r in T.unroll(L):
+                x[r] = 0.0
+                if j * L + r < n:
+                    x[r] = g[bos + j * L + r, h]
+            # x_r <- x_0 + ... + x_r: the prefix within the segment; x_{L-1} is its total
+            for r in T.unroll(1, L):
+                x[r] = x[r] + x[r - 1]
+            if tid < P * HV:
+                totals[h * P + j] = x[L - 1]
+            T.sync_threads()
+            # off = t_0,h + ... + t_{j-1},h: what the chunk's earlier segments add up to. Head h's
+            # P totals are contiguous: two 16-byte loads, where one 4-byte load per total (each
+            # under its guard jj < j) had ptxas wait out seven shared-memory latencies in turn.
+            for jj in T.vectorized(P):
+                t[jj] = totals[h * P + jj]
+            off = 0.0
+            for jj in T.unroll(P - 1):
+                if jj < j:
+                    off = off + t[jj]
+            for r in T.unroll(L):
+                if j * L + r < n:
+                    g_cum[bos + j * L + r, h] = off + x[r]
 
     return chunk_local_cumsum_fwd
 
@@ -211,6 +231,15 @@ def cta_heads(H: int, HV: int) -> int:
     """The largest divisor of HV / H up to MAX_HEADS_PER_CTA: the value heads sharing one K K^T."""
     group = HV // H
     return max(r for r in range(1, MAX_HEADS_PER_CTA + 1) if group % r == 0)
+
+
+def solve_heads(H: int, HV: int, num_chunks: int, num_sms: int) -> int:
+    """Value heads a solve CTA holds (gate_free_solve.s10): ``cta_heads``, or SOLVE_SPREAD_HEADS
+    where that many leave SMs without a CTA (num_chunks x HV / cta_heads < num_sms) and divide it."""
+    R = cta_heads(H, HV)
+    if R > SOLVE_SPREAD_HEADS and R % SOLVE_SPREAD_HEADS == 0 and num_chunks * HV < R * num_sms:
+        return SOLVE_SPREAD_HEADS
+    return R
 
 
 def a_elem(kkt_s, g_s, r, i, l, n, gate):
@@ -888,18 +917,20 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s20_lean_warmup.py and s24_chain_reads_what_it_needs.py
-# (AutoCP's rule and plan: s18's shortest L that fits, s20's candidates, s24's costs)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py and s25_rule_by_waves.py
+# (AutoCP's rule and plan: s18's shortest L that fits, s25's ladder and prices)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
-    counts (host integers). Phase 3 runs lanes = 2 HV CTAs a segment (BV 64); L0 is the shortest
-    length (at least ``autocp.MIN_SEGMENT_CHUNKS``) whose segments fit PHASE3_CTAS_PER_SM CTAs on
-    every SM. L0 and 2 L0 each cost, in chunk steps at BV 64,
-    SEGMENT_CHUNK_STEPS L (1 + load / 2) + SEGMENT_STEPS J + FIXED_STEPS, with J the longest
-    sequence's segments and load the phase-3 CTAs an SM. Automatic (``force`` None): the cheaper,
-    if below the unsplit launch's ``unsplit_step`` x the longest sequence (its width's step,
-    ``STEP``), else 0. ``force``: False never splits, True splits at the cheaper, an int is L."""
+    counts (host integers). Phase 3 runs 2 HV CTAs a segment (BV 64); L0 is the shortest length
+    (at least ``autocp.MIN_SEGMENT_CHUNKS``) whose segments fit PHASE3_CTAS_PER_SM CTAs on every
+    SM. The candidates are SEGMENT_LADDER's lengths (those at most a third of the longest
+    sequence) and L0, 2 L0 (where they leave two segments or more), each costing, in chunk steps
+    at BV 64, WAVE_CHUNK_STEPS L waves + SEGMENT_STEPS J + FIXED_STEPS, with J the longest
+    sequence's segments and waves = ceil(2 HV S / (PHASE3_CTAS_PER_SM num_sms)) for S segments in
+    all. Automatic (``force`` None): the cheapest, if below the unsplit launch's ``unsplit_step``
+    x the longest sequence (its width's step, ``STEP``), else 0. ``force``: False never splits,
+    True splits at the cheapest, an int is L."""
     longest = max(seq_chunks, default=0)
     if force is False or longest == 0:
         return 0
@@ -908,18 +939,18 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
             raise ValueError(f"flashqla: `cp` as segment length must be >= 1 chunk; got {force}")
         return force
     lanes = 2 * HV
+    def segments(L):
+        return sum(-(-c // L) for c in seq_chunks)
     def fits(L):  # segments shrink in count as L grows: bisect for the shortest L that fits
-        return L >= longest or lanes * sum(-(-c // L) for c in seq_chunks) <= PHASE3_CTAS_PER_SM * num_sms
+        return L >= longest or lanes * segments(L) <= PHASE3_CTAS_PER_SM * num_sms
     L0, hi = autocp.MIN_SEGMENT_CHUNKS, max(autocp.MIN_SEGMENT_CHUNKS, longest)
     while L0 < hi:
         mid = (L0 + hi) // 2
         L0, hi = (L0, mid) if fits(mid) else (mid + 1, hi)
-    costs = []
-    for L in (L0, 2 * L0):
-        J = -(-longest // L)
-        load = lanes * sum(-(-c // L) for c in seq_chunks) / num_sms
-        if J >= 2:
-            costs.append((SEGMENT_CHUNK_STEPS * L * (1 + load / 2) + SEGMENT_STEPS * J + FIXED_STEPS, L))
+    lengths = ({L for L in SEGMENT_LADDER if 3 * L <= longest}
+               | {L for L in (L0, 2 * L0) if -(-longest // L) >= 2})
+    costs = [(WAVE_CHUNK_STEPS * L * -(-lanes * segments(L) // (PHASE3_CTAS_PER_SM * num_sms))
+              + SEGMENT_STEPS * -(-longest // L) + FIXED_STEPS, L) for L in sorted(lengths)]
     if force is True:
         return min(costs)[1] if costs else L0
     return min(costs + [(unsplit_step * longest, 0)])[1]
@@ -1384,6 +1415,8 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
 # ex2.approx, no branch)
 PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
                 for builder in (fused_reform_kernel, fused_state_value_kernel, warmup_kernel)}
+# the cumsum: no bounds checks on g (the chunk table keeps its row guard's accesses in range)
+PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": True}
 
 
 @functools.cache
@@ -1418,12 +1451,12 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     with nvtx_range("fwd.chunk_local_cumsum"):
         _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
+    sms = autocp.num_sms(device)
     with nvtx_range("fwd.gate_free_solve"):
-        R = cta_heads(H, HV)
+        R = solve_heads(H, HV, chunks.shape[0], sms)
         solve = gate_free_solve_tf32_kernel if R <= SOLVE_TF32_MAX_HEADS else gate_free_solve_kernel
         _compiled(solve, H, HV, R)(k, beta, g_cum, chunks, ab, gated)
 
-    sms = autocp.num_sms(device)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
     p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state

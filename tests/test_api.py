@@ -225,12 +225,12 @@ def compiled_kernels():
     from flashqla import bwd, fwd
     from flashqla.testing import run_on_threads
 
-    def solve(H, HV):  # the forward's choice (gate_free_solve.s09)
-        R = fwd.cta_heads(H, HV)
-        return fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel
+    def solves(H, HV):  # the forward's choices (gate_free_solve.s10): long problems, then short ones
+        for R in {fwd.solve_heads(H, HV, 10**6, 1), fwd.solve_heads(H, HV, 0, 1)}:
+            yield fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel, R
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
-        (fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, solve(H, HV), H, HV, fwd.cta_heads(H, HV)),
+        (fwd, fwd.chunk_local_cumsum_kernel, HV), *((fwd, solve, H, HV, R) for solve, R in solves(H, HV)),
         *((fwd, fwd.fused_reform_kernel, H, HV, 128, 128, bv) for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V)),
         (bwd, bwd.walk_kernel, H, HV, bwd.BV),
         *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s24) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s26) gives."""
 
 import functools
 import sys
@@ -15,7 +15,8 @@ from flashqla.stages import load
 from flashqla.testing import Problem, check_op, run_on_threads
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
-    (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 1), "chunk_local_cumsum_kernel", (32,)),
+    (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 2), "chunk_local_cumsum_kernel", (32,)),
+    (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 2), "chunk_local_cumsum_kernel", (24,)),
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
     (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 16, 1)),
@@ -50,13 +51,19 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
 
 
 def test_solve_groups_value_heads_as_its_stage():
-    """The solve's CTAs take gate_free_solve.s06's number of value heads (``cta_heads``): the copy
-    of the kernel above is only the stage's at that number; and the forward runs s08's kernel
-    exactly where gate_free_solve.s09 does."""
-    stage, by_heads = load("gate_free_solve", 6), load("gate_free_solve", 9)
+    """The solve's CTAs take gate_free_solve.s10's number of value heads (s06's ``cta_heads``, or two
+    where the grid leaves SMs idle): the copies of the kernels above are only the stages' at that
+    number; and the forward runs s08's kernel exactly where gate_free_solve.s10 does."""
+    stage, by_grid = load("gate_free_solve", 6), load("gate_free_solve", 10)
+    spread = 0
     for H, HV in [(2, 8), (4, 16), (8, 24), (8, 32), (16, 16), (16, 32), (16, 48), (16, 64), (1, 8), (2, 12)]:
         assert fwd.cta_heads(H, HV) == stage.cta_heads(H, HV)
-        assert (fwd.cta_heads(H, HV) <= fwd.SOLVE_TF32_MAX_HEADS) == (by_heads.stage_for(H, HV) is by_heads.TENSOR_CORE)
+        for num_chunks, sms in [(32, 132), (33, 132), (128, 132), (512, 132), (1, 114), (0, 132)]:
+            R = fwd.solve_heads(H, HV, num_chunks, sms)
+            assert R == by_grid.heads_per_cta(H, HV, num_chunks, sms)
+            assert (R <= fwd.SOLVE_TF32_MAX_HEADS) == (by_grid.stage_for(R) is by_grid.BY_HEADS.TENSOR_CORE)
+            spread += R != fwd.cta_heads(H, HV)
+    assert spread > 0
 
 
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
@@ -95,14 +102,14 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s24's rule, forced or decided."""
-    s24 = load("gdn_fwd", 24)
+    """AutoCP's split per launch is gdn_fwd.s26's rule (s25's), forced or decided."""
+    s26 = load("gdn_fwd", 26)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
              ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s24.segment_chunks(chunks, hv, sms, step, force)
-    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 8, 32, 64}
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s26.segment_chunks(chunks, hv, sms, step, force)
+    assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
 
 
 def test_a_changed_kernel_is_caught():
@@ -148,15 +155,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s24's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s26's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
-    chaining)."""
-    s24 = load("gdn_fwd", 24)
+    chaining); the solve both with two heads a CTA (short) and with cta_heads (long)."""
+    s26 = load("gdn_fwd", 26)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16)):
-        for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2)):
+        for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s24.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s26.forward)]
     run_on_threads(calls)
 
 
@@ -187,11 +194,14 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
     (Problem(16, 32, (3000, 700)), False),                          # the tf32 solve (2 heads a CTA)
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
-], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3"])
+    (Problem(2, 8, (2000,)), None),                                 # ... 2 heads a CTA: few chunks
+    (Problem(4, 16, (1500, 77)), None),
+], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
+        "solve-spread", "solve-spread-varlen"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s24's kernels in s24's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s26's kernels in s26's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 24).forward(**x, cp=cp)
+    want = load("gdn_fwd", 26).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
