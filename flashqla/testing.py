@@ -223,7 +223,8 @@ def check_op(op: str, fn, inputs: dict, factor: float = TOLERANCE_FACTOR) -> lis
 
 def run_on_threads(calls, workers: int = 16) -> None:
     """Run each call (a function of no arguments, its inputs made on this thread: torch's lazy
-    inits are not thread-safe) once, many at a time.
+    inits are not thread-safe) once, many at a time; one that raised runs once more, alone, and
+    raises if it fails again.
 
     TileLang compiles each new kernel shape on its first call (5-40 s, mostly in nvcc, which runs
     outside the GIL), so compiling them on threads before a GPU test or benchmark run takes the
@@ -232,7 +233,13 @@ def run_on_threads(calls, workers: int = 16) -> None:
     import tilelang  # noqa: F401 -- imported once here: importing it on several threads at once fails
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda call: call(), calls))
+        futures = [pool.submit(call) for call in calls]
+    # a call that failed runs again, alone: the first calls of one compiled module on several threads
+    # at once can fail to find its function (TVM-FFI: "Cannot find function ..."); a real error
+    # raises here
+    for call, future in zip(calls, futures):
+        if future.exception() is not None:
+            call()
 
 
 def warm_up(stages, heads=PUBLIC_HEADS, device="cuda", workers: int = 16) -> None:
