@@ -3,19 +3,23 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s24's
-pipeline: s22's (s21's, with AutoCP's phase 2 in one kernel, on gate_free_solve.s09's solve: s08's
-tensor-core half with one or two value heads a CTA, s06's blocked solve with three or four) with
-s23's warm-up (phase 1 on a state and a value warpgroup), s24's phase 2 (M read only for heads
-with an exact slot, states written by segment row) and s24's rule, and a fused kernel whose width
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s26's
+pipeline: s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase 1 on a
+state and a value warpgroup, and s24's phase 2, M read only for heads with an exact slot, states
+written by segment row) with chunk_local_cumsum.s02, gate_free_solve.s10 (s08's tensor-core half
+with one or two value heads a CTA, s06's blocked solve with three or four; two a CTA where the grid
+would leave SMs idle) and s25's rule (every length of a ladder, priced by phase 3's waves), and a
+fused kernel whose width
 comes from the sequence lengths (``block_v``, s15's rule): s12's (s07's reformulated,
 warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA, s16's (the chain split
 over a state and a value warpgroup, s14, with O stored by TMA) at 64 and 128; with AutoCP (s18's:
 the plan from the host, the windows from g, beta and the flags).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
-    chunk_local_cumsum.s01   g                       -> g_cum     one CTA per chunk, all heads
-    gate_free_solve.s09      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+    chunk_local_cumsum.s02   g                       -> g_cum     one CTA per chunk, eight threads a
+                                                                  head: 1.6-2.5 us where s01 took
+                                                                  4.0-7.3 (one H100, 677241e)
+    gate_free_solve.s10      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
                                                                   substitution, the rest by block
@@ -27,7 +31,10 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   one or two value heads a CTA
                                                                   (s08), the inverse's lower-left
                                                                   half is two tf32 tensor-core
-                                                                  products: 0.83-0.94x s06's time
+                                                                  products: 0.83-0.94x s06's time.
+                                                                  Two heads a CTA where cta_heads
+                                                                  leaves SMs without a CTA (s10):
+                                                                  0.61-0.77x s09's time there
     gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel. Per

@@ -1268,8 +1268,8 @@ COLS = {f"s0{n}": "gdn_fwd/" + Path(m.__file__).stem for n, m in ((3, s03), (4, 
 COLS.update(API=bench.API_ROW, FLA=bench.FLA_ROW, FlashQLA=bench.FLASHQLA_ROW)
 rows = [r for r in bench.read_csv(CSV_PATH) if r["problem"].startswith(("(16, 64)", "(16, 32)"))]
 # only the rows of the run that timed this chapter's stages, problem by problem (one process each):
-# a later run (commit e7a917b) re-timed the API, the peers and the newest stages on (16, 32) alone,
-# so there this table has the stages and no API or peers
+# later runs re-timed the API, the peers and the newest stages on (16, 32) (commit e7a917b) and
+# on (16, 64) 1x2048 (98a6f05), so there this table has the stages and no API or peers
 stage_run = {r["problem"]: r["commit"] for r in rows if r["impl"] == COLS["s03"]}
 rows = [r for r in rows if r["commit"] == stage_run[r["problem"]]]
 ms_of = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows if r["ms"]}
@@ -1277,7 +1277,7 @@ problems = list(dict.fromkeys(r["problem"] for r in rows))
 table = {p: {col: ms_of.get((p, impl)) for col, impl in COLS.items()} for p in problems}
 assert all(t[c] is not None for t in table.values() for c in ("s03", "s04", "s05", "s07"))  # every stage cell
 with_peers = {p: t for p, t in table.items() if None not in t.values()}             # and the API, FLA, FlashQLA
-assert list(with_peers) == [p for p in problems if p.startswith("(16, 64)")]
+assert list(with_peers) == [p for p in problems if p.startswith("(16, 64)") and p != "(16, 64) 1x2048"]
 assert len({r["gpu"] for r in rows}) == 1                                         # one card type
 methods = {r["method"] for r in rows if r["impl"] in COLS.values()}
 print(f"{CSV_PATH.relative_to(ROOT)}: {rows[0]['gpu']}, commits "
@@ -1313,7 +1313,7 @@ assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 6
 assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 64)"))
 assert all(t["FlashQLA"] < min(t[c] for c in COLS if c not in ("FlashQLA", "API")) for t in with_peers.values())
 assert [short(p) for p, t in with_peers.items() if t["API"] < t["FlashQLA"]] == [
-    "(16, 64) 1x2048", "(16, 64) 1x8192", "(16, 64) 1x32768", "(16, 64) 28672+4096", "(16, 64) 8x4096"]
+    "(16, 64) 1x8192", "(16, 64) 1x32768", "(16, 64) 28672+4096", "(16, 64) 8x4096"]
 assert all(t["API"] < t["s05"] for p, t in with_peers.items() if not autocp_splits(p))
 assert all(t["s07"] < min(t["s03"], t["s04"], t["s05"]) for t in table.values())
 api_over_s07 = [t["s07"] / t["API"] for t in with_peers.values()]
@@ -2004,6 +2004,28 @@ assert "barrier" in ncu_solve["s05"]["stalls"] and "barrier" not in ncu_solve["s
 # with one or two value heads a CTA, s06 with three or four; the library runs it (through
 # `gdn_fwd.s22`, notebook 05). In the forward it takes 0.91-0.98x the time of the same pipeline on
 # s05 on the unsplit (16, 32) and (16, 16) problems but 1x2048 (one H100, commit e7a917b).
+
+# %% [markdown]
+# s09 decides from the heads alone. On a short problem with few heads its grid is smaller than
+# the card: (2, 8) 1 x 2048 is 32 chunks x 8 heads / 4 = 64 CTAs on 132 SMs, and the solve takes
+# one CTA's latency with four heads' work in it. `gate_free_solve.s10` also counts the CTAs: where
+# s09's grouping leaves SMs without one, two heads a CTA on s08's kernel. Each kernel alone (one
+# H100, 50 launches in one CUDA graph), from its docstring:
+
+# %%
+solve10 = load("gate_free_solve", 10)
+doc = solve10.__doc__
+print(doc[doc.index("    problem"):doc.index("Below one CTA")])
+for H, HV, chunks in ((2, 8, 32), (4, 16, 32), (8, 32, 32), (2, 8, 128), (16, 64, 32)):
+    R = solve10.heads_per_cta(H, HV, chunks, 132)
+    print(f"({H}, {HV}) {chunks * 64} tokens: {R} heads a CTA, {chunks * HV // R} CTAs, "
+          f"{solve10.stage_for(R).__name__.split('.')[-1]}")
+assert solve10.heads_per_cta(2, 8, 32, 132) == 2 and solve10.heads_per_cta(8, 32, 32, 132) == 4
+
+# %% [markdown]
+# Below one CTA an SM two heads a CTA take 0.61-0.77x s09's time; from 256 CTAs on, four heads a
+# CTA are as fast or faster, and one head a CTA never wins. The library runs s10 through
+# `gdn_fwd.s26` (notebook 05).
 
 # %% [markdown]
 #

@@ -778,5 +778,48 @@ for label, t in s24_sweep.items():
 # The wave price changes three choices: L = 64 on both 28672+4096 problems of 32 heads (0.93x),
 # and L = 16 instead of 8 on (2, 8) 1 x 8192 (1.5 % slower in this sweep, within the noise that
 # problem has shown between runs). Every length it picks on these problems is one the sweep
-# timed, and on the benchmark's 40 problems it splits only these. It runs s24's kernels unchanged;
-# a benchmark row, and then promotion, are next.
+# timed, and on the benchmark's 40 problems it splits only these. It runs s24's kernels unchanged.
+
+# %% [markdown]
+# ## 14. The prologue of short problems: `gdn_fwd.s26`
+#
+# On a 1 x 2048 problem the fused launch is level with FlashQLA's; what is left is the two small
+# kernels before it. `chunk_local_cumsum.s02` scans a head's chunk on eight threads (notebook 03),
+# and `gate_free_solve.s10` looks at the grid before it groups value heads: four heads a CTA on
+# (2, 8) 1 x 2048 is 64 CTAs for 132 SMs, so it runs two a CTA on s08's kernel instead (notebook
+# 04). s26 runs both, on s25's rule, and is what the library runs:
+
+# %%
+s26, solve10 = load("gdn_fwd", 26), load("gate_free_solve", 10)
+print(inspect.getsource(solve10.heads_per_cta))
+for H, HV in PUBLIC_HEADS:
+    print(f"({H}, {HV}): heads a CTA at 1 x 2048 {solve10.heads_per_cta(H, HV, 2048 // C, 132)}, "
+          f"at 1 x 8192 {solve10.heads_per_cta(H, HV, 8192 // C, 132)}")
+
+# %% [markdown]
+# The benchmark rows of its run (one H100, commit 98a6f05, the peers in the same process). The
+# stage rows build their chunk table once per sub-step inside the CUDA graph (four table launches
+# for s26, three for s24, one for the library), so the API row, which runs s26's kernels bit for
+# bit, is the one to compare with the peers:
+
+# %%
+run26 = [r for r in rows_fwd if r["commit"].startswith("98a6f05") and r["ms"]]
+t26 = {(r["problem"], r["impl"]): float(r["ms"]) for r in run26}
+API_ROW, S24_ROW, S26_ROW = "flashqla.chunk_gated_delta_rule", "gdn_fwd/s24_chain_reads_what_it_needs", "gdn_fwd/s26_short_prologue"
+graphed = {r["problem"] for r in run26 if r["impl"] == "FlashQLA" and "no graph" not in r["method"]}
+print(f"{'problem':22s} {'API':>7s} {'s26':>7s} {'s24':>7s} {'FlashQLA':>9s} {'FLA':>7s}  API vs FlashQLA")
+for label in dict.fromkeys(r["problem"] for r in run26):
+    t = {name: t26[label, name] for name in (API_ROW, S26_ROW, S24_ROW, "FlashQLA", "FLA (gdn_fwd/s00_fla)")}
+    fq = f"{t['FlashQLA'] / t[API_ROW]:.2f}x" if label in graphed else "(its capture failed)"
+    print(f"{bench.short_label(label):22s} {t[API_ROW]:7.4f} {t[S26_ROW]:7.4f} {t[S24_ROW]:7.4f} "
+          f"{t['FlashQLA']:9.4f} {t['FLA (gdn_fwd/s00_fla)']:7.4f}  {fq}")
+    assert t[API_ROW] < t[S24_ROW] and t[API_ROW] < t["FLA (gdn_fwd/s00_fla)"]
+    if "28672" in label:                                      # s25's rule: L 64 instead of unsplit
+        assert t[S26_ROW] < 0.96 * t[S24_ROW]
+
+# %% [markdown]
+# The new prologue takes 4-6 us off (2, 8) 1 x 2048 and 2-5 us elsewhere; the API is now ahead of
+# FLA on all 40 problems and level with FlashQLA on (16, 32) 1 x 2048, but (8, 32) and (8, 24) 1 x
+# 2048 stay at 0.89-0.90x FlashQLA's speed. s25's rule splits the two 28672+4096 problems of 32
+# heads at L = 64 (0.94x s24's time, 1.21-1.24x FlashQLA's speed) and costs 3 % on (2, 8) 1 x 8192
+# (L 16 against 8).

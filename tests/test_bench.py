@@ -97,3 +97,49 @@ def test_fla_keeps_the_chunk_indices_of_every_input_set(monkeypatch):
         bench.keep_fla_chunk_indices(11)
     # the bench's problems: the most input sets of any (an H200's 60 MB of L2 as example)
     assert max(bench.num_input_sets(p, 60 * 2**20) for p in bench.PROBLEMS) > 4
+
+
+def _prologue_times():
+    import csv
+
+    with open(bench.RESULTS / "prologue.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    times = {}
+    for r in rows:
+        times.setdefault(r["problem"], {})[r["kernel"]] = float(r["us"])
+    return times
+
+
+def _solve_time(label, times, heads_per_cta):
+    """The time of the solve kernel a rule ``heads_per_cta(H, HV, chunks) -> R`` runs on a problem
+    (s08 at one or two heads a CTA, s06 at three or four: gate_free_solve.s09's kernel choice)."""
+    H, HV, lengths = bench.heads_and_lengths(label)
+    R = heads_per_cta(H, HV, -(-sum(lengths) // 64))
+    return times[f"gate_free_solve.{'s08' if R <= 2 else 's06'}/{R}"]
+
+
+@pytest.mark.parametrize("rule, fails", [("s10", False), ("s09", True)])
+def test_solve_heads_per_cta_is_the_fastest_measured(rule, fails):
+    """gate_free_solve.s10's heads a CTA (from the grid) run a kernel within 5 % of the fastest
+    variant measured on every problem of ``results/prologue.csv`` (profiles/prologue_lab.py);
+    s09's (from the heads alone) does not: 1.65x on (2, 8) 1x2048. The cumsum: s02 faster than s01
+    on every problem."""
+    from flashqla.stages import load
+
+    s09, s10 = load("gate_free_solve", 9), load("gate_free_solve", 10)
+    pick = {"s10": lambda H, HV, chunks: s10.heads_per_cta(H, HV, chunks, 132),
+            "s09": lambda H, HV, chunks: s09.cta_heads(H, HV)}[rule]
+    times = _prologue_times()
+    assert len(times) == 16
+    worst = max(_solve_time(label, t, pick) / min(v for k, v in t.items() if k.startswith("gate_free_solve"))
+                for label, t in times.items())
+    assert (worst > 1.05) == fails, worst
+    assert all(t["chunk_local_cumsum.s02"] < t["chunk_local_cumsum.s01"] for t in times.values())
+
+
+def test_prologue_lab_reports_the_committed_csv():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "prologue_lab.py"), "report",
+                          str(bench.RESULTS / "prologue.csv")], capture_output=True, text=True, check=True).stdout
+    assert out.count("\n") == 16 and "(2, 8) 1x2048" in out and "solve s08/2   6.2" in out

@@ -37,11 +37,13 @@ issues the two 16-byte loads one after the other). Both stages still wait for th
 row before the first load of g: two global-memory latencies in a row. At HV = 64 the CTA has 512
 threads; shared memory is P x HV x 4 bytes (2 KiB at HV = 64).
 
-Measured effect: not yet measured. Its GPU tests pass (one H100, commit c5feab3: the public shapes
-against the float64 reference). A first timing of the kernel alone (CUDA-graph replay of one launch
-over one input set) gave 17-18 us for s01 and s02 alike on every problem tried, launch overhead of
-that harness, not the kernels; per kernel in the forward (torch.profiler) s01 takes 7.3 us on (8,
-32) 1 x 2048 and 4.3-4.5 us at HV 16 and 24, FlashQLA's cumsum 2.6-3.7 us.
+Measured effect (one H100, commit 677241e; the kernel alone, 50 launches captured in one CUDA
+graph, the replay's time / 50): 1.6-2.5 us against s01's 4.0-7.3, on the 1 x 2048 and 1 x 8192
+problems of all eight head layouts (s01 6.7-7.3 us at HV 32 and 64, 4.0-4.3 at HV 8 to 48; s02
+1.6-2.1 at 1 x 2048, 1.8-2.5 at 1 x 8192). Its GPU tests pass (commit c5feab3: the public shapes
+against the float64 reference). The library runs it from gdn_fwd.s26 on (commit 98a6f05).
+(A first timing, of one launch per graph replay, gave 17-18 us for both: that harness's launch
+overhead, not the kernels.)
 
 Taught in: notebooks/03_forward_kernels.py
 """

@@ -11,7 +11,7 @@ a CTA holds two heads and s08's kernel (its tensor-core half, s09's choice at tw
 twice the CTAs, each with half the work.
 
 Why (one H100, commit 677241e; each kernel alone, 50 launches captured in one CUDA graph, the
-replay's time / 50; ``.diag`` harness, numbers quoted in notebooks/04_reformulation.py), us:
+replay's time / 50: ``profiles/results/prologue.csv``, ``profiles/prologue_lab.py``), us:
 
     problem            CTAs at s09's R   s09 (s06, R 4)   s08 at R 2   s08 at R 1
     (2, 8) 1x2048            64              10.2             6.2          7.0
@@ -22,7 +22,14 @@ replay's time / 50; ``.diag`` harness, numbers quoted in notebooks/04_reformulat
 
 Below one CTA an SM, two heads a CTA take 0.61-0.77x s09's time; from 256 CTAs on, four heads a
 CTA stay as fast or faster (the shared K K^T and fewer launches of its 64 x 64 product win).
-One head a CTA never wins: its CTAs hold the key head's K K^T once for each value head.
+One head a CTA never wins: its CTAs hold the key head's K K^T once for each value head. On all 16
+problems of that file (the eight head layouts at 1x2048 and 1x8192) this choice runs a kernel
+within 5 % of the fastest variant timed; s09's is up to 1.65x slower (``tests/test_bench.py``).
+
+Measured effect in the forward (gdn_fwd.s26, with chunk_local_cumsum.s02; one H100, commit
+98a6f05): s26 takes 0.93x s24's time on (2, 8) 1x2048, where the solve goes from 64 CTAs to 128.
+GPU tests: the public shapes (24, commit 98a6f05), where (2, 8), (4, 16) and (8, 32) at 1000 tokens
+take two heads a CTA and (16, 64) four.
 
 Precision: s08's where it runs (tf32 adds 1.5-2.9e-4 relative L2 to Ab against 1.6-1.9e-3 for
 its bf16 store); s06's elsewhere, as in s09.

@@ -20,8 +20,38 @@ CUDA graph, the replay's time / 50), us:
     (8, 32) 1x2048         6.8      1.6       13.3     13.3
     (16, 64) 1x8192        7.0      2.5       92.2     92.2
 
-Measured effect: see the benchmark rows in ``profiles/results/gdn_fwd.csv`` (this stage beside
-s24, FlashQLA and FLA in one process); notebook 05 section 14 quotes them.
+Measured effect (the benchmark, one H100, commit 98a6f05, CUDA-graph replay, these rows and both
+peers in one process), ms. The API runs this stage's kernels in this stage's order (bit for bit,
+``tests/test_promoted.py``); the stage rows also pay for their sub-steps' own chunk tables, which
+inside a capture are built anew by each: four launches of the table kernel in s26's forward (the
+cumsum, the solve's grid count, the solve, the fused launch), three in s24's, one in the library's,
+about 2 us each on these short problems. So the API row is the one to read against the peers, and
+s26 against s24 carries one extra table launch:
+
+    problem               API     s26     s24    s26/s24  FlashQLA   FLA
+    (2, 8) 1x2048        0.0775  0.0850  0.0913   0.93       -*     0.0828
+    (4, 16) 1x2048       0.0834  0.0952  0.0943   1.01       -*     0.1043
+    (8, 32) 1x2048       0.0963  0.1072  0.1085   0.99     0.0871   0.1449
+    (16, 32) 1x2048      0.0878  0.0978  0.1000   0.98     0.0871   0.1459
+    (8, 24) 1x2048       0.0934  0.1030  0.1014   1.02     0.0828   0.1241
+    (16, 64) 1x2048      0.1152  0.1244  0.1262   0.99     0.1191   0.2579
+    (2, 8) 1x8192        0.1696  0.1783  0.1723   1.03     0.1667   0.2625
+    (8, 32) 1x8192       0.3071  0.3133  0.3152   0.99     0.3080   0.5232
+    (16, 32) 1x8192      0.3055  0.3132  0.3161   0.99     0.3068   0.5344
+    (8, 32) 28672+4096   1.0629  1.0676  1.1319   0.94     1.2855   2.1947
+    (16, 32) 28672+4096  1.0680  1.0495  1.1212   0.94     1.2976   2.2043
+
+(* FlashQLA failed its CUDA-graph capture on the first problems of its process and was timed
+without a graph, 1.2 and 0.32 ms: not a measure of its kernels.) s25's rule splits both
+28672+4096 problems at L 64: 0.94x s24's time, 1.21-1.24x FlashQLA's speed. On (2, 8) 1x8192 it
+picks L 16 where s24 picks 8: 1.03x s24's time here (1.015x in s24's sweep), the price of a rule
+that ranks every length with one formula. On the 1x2048 problems the API is 1.07x FLA's speed on
+(2, 8) (s24's library was 0.97x, an earlier run) and level with FlashQLA on (16, 32) and ahead on
+(16, 64); (8, 32) and (8, 24) stay 0.89-0.90x FlashQLA's speed. The solve at two heads a CTA and
+the new cumsum take 4-6 us off (2, 8) 1x2048 (s26 against s24, less the extra table launch);
+elsewhere the gain is the cumsum's 2-5 us, within two table launches of the stage rows' noise.
+GPU tests (commit 98a6f05): the public shapes (24), gate_free_solve.s10's (24), AutoCP's tests
+of this stage (7); the library bit for bit against it, ``test_promoted`` (12, commit d832bf8).
 
 Taught in: notebooks/05_autocp.py (section 14), notebooks/04_reformulation.py (the solve),
 notebooks/03_chunked_forward.py (the cumsum)
