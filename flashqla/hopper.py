@@ -23,6 +23,34 @@ def compile_hopper(prim_func, pass_configs: dict | None = None):
     return tilelang.compile(prim_func, target=HOPPER_TARGET, pass_configs=pass_configs)
 
 
+def dependent_launch(prim_func):
+    """``prim_func`` with its kernel waiting on the launch before it (``griddepcontrol.wait``,
+    TileLang's ``T.pdl_sync``), then letting the launch after it start (``griddepcontrol.
+    launch_dependents``, ``T.pdl_trigger``), both first in the kernel's root block. TileLang then
+    launches it with programmatic stream serialization (programmatic dependent launch, PDL): its
+    CTAs may be scheduled while the previous kernel finishes, and wait for it, and its memory,
+    before anything else. A kernel after it that does the same waits for this one; a kernel
+    without PDL waits for its whole predecessor as usual."""
+    import tilelang.language as T  # imported here: importing flashqla must not pull in TileLang
+    from tvm import tirx
+
+    found = []
+
+    def prepend(stmt):
+        if stmt.name_hint != "tilelang_root":
+            return None
+        found.append(stmt)
+        body = tirx.SeqStmt([tirx.Evaluate(T.pdl_sync()), tirx.Evaluate(T.pdl_trigger()), stmt.body])
+        return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                           stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+
+    body = tirx.stmt_functor.ir_transform(prim_func.body, None, prepend, ["tirx.SBlock"])
+    if len(found) != 1:
+        raise ValueError(f"dependent_launch: `prim_func` must have one kernel (one tilelang_root "
+                         f"block); got {len(found)}")
+    return prim_func.with_body(body)
+
+
 @functools.cache
 def hopper_gpu_missing() -> str | None:
     """None when an SM90 GPU is usable here, otherwise why not (for skip messages and the tour)."""

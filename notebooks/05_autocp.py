@@ -823,3 +823,32 @@ for label in dict.fromkeys(r["problem"] for r in run26):
 # 2048 stay at 0.89-0.90x FlashQLA's speed. s25's rule splits the two 28672+4096 problems of 32
 # heads at L = 64 (0.94x s24's time, 1.21-1.24x FlashQLA's speed) and costs 3 % on (2, 8) 1 x 8192
 # (L 16 against 8).
+
+# %% [markdown]
+# ## 15. Kernels that wait inside: `gdn_fwd.s27`
+#
+# On a 1 x 2048 problem the forward is four short launches in a row (the chunk table, the cumsum,
+# the solve, the fused kernel), and each waits at the launch boundary for its predecessor's last
+# CTA before its own CTAs are even scheduled. Hopper can launch a kernel as a *programmatic
+# dependent*: its CTAs are scheduled early and wait inside the kernel (`griddepcontrol.wait`) for
+# the previous kernel to finish and its writes to be visible. s27 compiles each of s26's kernels
+# with the two instructions first in its root block; TileLang sees them and launches the kernel
+# with programmatic stream serialization:
+
+# %%
+from flashqla import hopper
+
+print(inspect.getsource(hopper.dependent_launch))
+s27 = load("gdn_fwd", 27)
+cumsum_source = s27._compiled("cumsum", 32).get_kernel_source()
+body = cumsum_source[cumsum_source.index("__global__"):]
+print("\n".join(body.splitlines()[:9]))
+assert body.index("cudaGridDependencySynchronize()") < body.index("chunk_bounds[")  # waits before its first load
+
+# %% [markdown]
+# In the fused kernel the wait lands after the TMA descriptor prefetches and the mbarrier
+# initialisation, which therefore overlap the solve's tail. The tests check that every s27
+# kernel is its stage's program plus these two statements, compiled with the stage's options.
+# Not measured yet: its GPU tests (bit for bit against s26, also with two forwards in one CUDA
+# graph) and its benchmark row against the API, which runs the same kernels without PDL, are the
+# next session's first GPU call.

@@ -428,14 +428,16 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26],
-                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26"])
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27],
+                ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
+                     "s27"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
     s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 on
     the state/value split, s24 s23's with phase 2 reading M only where needed, s26 s24's with
-    the cumsum and solve of short problems and s25's rule), with its kernels (and those of the chain it runs) compiled on threads
+    the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
+    dependents), with its kernels (and those of the chain it runs) compiled on threads
     first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
@@ -788,3 +790,39 @@ def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
     with pytest.raises(AssertionError):
         for label in split_sweep(SWEEP_OF[number]):
             test_rule_picks_a_fastest_measured_split(number, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (2000,)), None),                                 # unsplit, two heads a solve CTA
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, split
+    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128
+    (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
+], ids=["short", "varlen-L4", "wide", "no-h0-L2"])
+def test_s27_dependent_launches_give_s26s_bits(problem, cp):
+    """gdn_fwd.s27 runs s26's kernels as programmatic dependents (each waits on the one before it
+    inside the kernel): the same bits as s26, eagerly and from a CUDA graph that holds two forwards
+    back to back (the second's kernels waiting on the first's), replayed on new inputs."""
+    from flashqla.stages import load
+
+    s26, s27 = load("gdn_fwd", 26), load("gdn_fwd", 27)
+    x = problem.inputs("cuda", seed=3)
+    y = {**x, "v": -x["v"], "q": x["k"]}
+    want_x, want_y = s26.forward(**x, cp=cp), s26.forward(**y, cp=cp)
+    for got, want in ((s27.forward(**x, cp=cp), want_x), (s27.forward(**y, cp=cp), want_y)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first, second = s27.forward(**x, cp=cp), s27.forward(**y, cp=cp)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in ((first, want_x), (second, want_y)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x["v"].mul_(-1)                                                 # new inputs, same tensors
+    y["v"].mul_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in ((first, s26.forward(**x, cp=cp)), (second, s26.forward(**y, cp=cp))):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -119,3 +119,67 @@ def test_width_rule_check_catches_stale_steps():
         if s15.block_v([-(-n // s15.CHUNK_SIZE) for n in lengths], HV, 128, 132) != min(ms, key=ms.get):
             wrong.append(row["problem"])
     assert wrong
+
+
+# ---- gdn_fwd.s27: s26's kernels as programmatic dependents
+S27_SHAPES = {"cumsum": (32,), "solve": (16, 64, 4), "solve_tf32": (16, 32, 2), "windows": (32,),
+              "warmup": (16, 32), "chain": (32,), "fused_narrow": (2, 8, 128, 128, 32),
+              "fused": (16, 32, 128, 128, 64)}
+# each kernel's own stage compile (module, its compile function): what s27 must match, PDL aside
+S27_STAGE_COMPILE = {"cumsum": (("chunk_local_cumsum", 2), "_compiled"), "solve": (("gate_free_solve", 6), "_compiled"),
+                     "solve_tf32": (("gate_free_solve", 8), "_compiled"), "windows": (("gdn_fwd", 18), "_windows"),
+                     "warmup": (("gdn_fwd", 23), "_compiled"), "chain": (("gdn_fwd", 24), "_chain"),
+                     "fused_narrow": (("gdn_fwd", 12), "_compiled"), "fused": (("gdn_fwd", 16), "_compiled")}
+
+
+def _s27_matches_its_stage(name, monkeypatch):
+    import tilelang
+
+    from flashqla.stages import load
+
+    calls = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    load("gdn_fwd", 27)._compiled.__wrapped__(name, *S27_SHAPES[name])
+    stage, compile_fn = S27_STAGE_COMPILE[name]
+    getattr(load(*stage), compile_fn).__wrapped__(*S27_SHAPES[name])
+    (mine, my_options), (theirs, their_options) = calls
+    assert my_options == their_options
+    waits = list(re.finditer(r"\n( +)T\.pdl_sync\(\)\n\1T\.pdl_trigger\(\)(?=\n)", mine))
+    assert len(waits) == 1 and mine[:waits[0].start()] + mine[waits[0].end():] == theirs
+    assert 0 < mine.index('with T.sblock("tilelang_root")') < waits[0].start()
+
+
+@pytest.mark.parametrize("name", sorted(S27_SHAPES))
+def test_s27_kernel_is_its_stage_kernel_waiting_first(name, monkeypatch):
+    """Each kernel of gdn_fwd.s27 is its stage's program with griddepcontrol wait and
+    launch_dependents as the first statements of its root block, and nothing else changed, compiled
+    with its stage's pass configs (tilelang.compile replaced by a recorder: nothing is compiled)."""
+    _s27_matches_its_stage(name, monkeypatch)
+
+
+@pytest.mark.parametrize("name, wrong", [("fused", None), ("cumsum", {"tl.enable_fast_math": True})])
+def test_s27_kernel_check_catches_other_options(name, wrong, monkeypatch):
+    """The check above fails for an s27 kernel compiled with options its stage does not use."""
+    from flashqla.stages import load
+
+    s27 = load("gdn_fwd", 27)
+    monkeypatch.setitem(s27.KERNELS, name, (s27.KERNELS[name][0], wrong))
+    with pytest.raises(AssertionError):
+        _s27_matches_its_stage(name, monkeypatch)
+
+
+def test_dependent_launch_needs_one_kernel():
+    """flashqla.hopper.dependent_launch refuses a program that is not one kernel, naming the argument."""
+    import tilelang.language as T
+
+    from flashqla.hopper import dependent_launch
+
+    @T.prim_func
+    def two_kernels(x: T.Tensor((128,), "float32")):
+        with T.Kernel(1, threads=128) as _:
+            x[T.get_thread_binding()] = 1.0
+        with T.Kernel(1, threads=128) as _:
+            x[T.get_thread_binding()] = 2.0
+
+    with pytest.raises(ValueError, match="`prim_func` must have one kernel"):
+        dependent_launch(two_kernels)

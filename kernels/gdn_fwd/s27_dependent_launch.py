@@ -1,0 +1,151 @@
+"""gdn_fwd, stage 27: s26's kernels launched as programmatic dependents: each waits on the one
+before it inside the kernel, not at the launch boundary.
+
+What changed from s26: every TileLang kernel of the forward (cumsum, solve, AutoCP's windows,
+warm-up and chain, the fused kernel) is compiled with ``flashqla.hopper.dependent_launch``: its
+first statements are ``griddepcontrol.wait`` (wait for the previous kernel to finish and its
+writes to be visible) and ``griddepcontrol.launch_dependents`` (let the next kernel's CTAs be
+scheduled), and TileLang launches it with programmatic stream serialization. Nothing else
+changes: the same programs after those two instructions, the same order, the same rule; the
+forward also calls the kernels directly, as the library does (one chunk table, built once).
+
+Why: on the 1x2048 problems the whole forward is 77-115 us (the API, one H100, commit 98a6f05)
+and four kernels run one after another: the chunk table, the cumsum (1.6-2.5 us alone), the solve
+(6-23 us) and the fused kernel. Without PDL each launch waits for its predecessor's last CTA to
+retire before its own CTAs are even scheduled; the per-kernel times alone (``results/
+prologue.csv``) add up to less than the forward's time. With PDL a kernel's CTAs are resident and
+waiting when the previous one ends, so the gap between kernels shrinks to the wait's release. The
+wait comes first, before any load, so no kernel reads what its predecessor (or one before it,
+which the predecessor waited for) has not finished writing.
+
+Measured effect: not yet measured (no GPU time left in the session that wrote it). It compiles
+for sm_90a (``cudaGridDependencySynchronize`` / ``cudaTriggerProgrammaticLaunchCompletion`` in
+every kernel's CUDA); its GPU tests (the public shapes; bit for bit against s26) and a benchmark
+row against the API (s26's kernels with the same host code) are the next session's first call.
+
+Taught in: notebooks/05_autocp.py (section 15)
+"""
+
+import functools
+
+import torch
+
+from flashqla import autocp, stages
+from flashqla.hopper import compile_hopper, dependent_launch
+from flashqla.nvtx import nvtx_range
+from flashqla.varlen import chunk_table, seq_bounds
+
+NEEDS = ("hopper",)
+SOURCE_MUST_CONTAIN = ("cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()",
+                       "wgmma", "tma_load")
+
+PIPELINE = stages.load("gdn_fwd", 26)   # the rule, the solve's grouping, the stages of every kernel
+S24 = PIPELINE.PIPELINE
+S18 = S24.CHAIN.PIPELINE.PIPELINE
+CHUNK_SIZE = PIPELINE.CHUNK_SIZE
+HEAD_DIM = PIPELINE.HEAD_DIM
+SOLVE = stages.load(*PIPELINE.SOLVE)
+DEFAULT_SHAPE = dict(H=16, HV=32)
+FUSED_CONFIGS = {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
+# every kernel of the forward: (its builder, the pass configs its stage compiles it with)
+KERNELS = {
+    "cumsum": (stages.load(*PIPELINE.CUMSUM).chunk_local_cumsum_kernel, {"tl.disable_safe_memory_legalize": True}),
+    "solve": (SOLVE.BY_HEADS.BALANCED.gate_free_solve_kernel, None),
+    "solve_tf32": (SOLVE.BY_HEADS.TENSOR_CORE.gate_free_solve_kernel, None),
+    "windows": (S18.windows_kernel, None),
+    "warmup": (S24.PIPELINE.warmup_kernel, FUSED_CONFIGS),
+    "chain": (S24.chain_kernel, None),
+    "fused_narrow": (stages.load("gdn_fwd", 12).fused_reform_kernel, FUSED_CONFIGS),
+    "fused": (stages.load("gdn_fwd", 16).fused_state_value_kernel, FUSED_CONFIGS),
+}
+FUSED_AT = {32: "fused_narrow", 64: "fused", 128: "fused"}   # s17's widths
+
+
+@functools.cache
+def _compiled(name: str, *shape):
+    builder, configs = KERNELS[name]
+    return compile_hopper(dependent_launch(builder(*shape)), configs)
+
+
+def kernel_source() -> str:
+    """The CUDA C++ generated for sm_90a: the cumsum, the solve and the fused kernel at the default
+    shape."""
+    H, HV = DEFAULT_SHAPE["H"], DEFAULT_SHAPE["HV"]
+    return (_compiled("cumsum", HV).get_kernel_source()
+            + _compiled("solve_tf32", H, HV, 2).get_kernel_source()
+            + _compiled("fused", H, HV, HEAD_DIM, HEAD_DIM, 64).get_kernel_source())
+
+
+def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+    """s26's forward with every kernel a programmatic dependent (``cp`` None decides, False never
+    splits, True splits at the rule's cheapest L, an int is the segment length in chunks)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    device = q.device
+    scale = K ** -0.5 if scale is None else scale
+    q, k = (x.to(torch.bfloat16).contiguous().view(B * T, H, K) for x in (q, k))
+    v = v.to(torch.bfloat16).contiguous().view(B * T, HV, V)
+    g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
+    seqs = seq_bounds(cu_seqlens, B, T, device)
+    N = seqs.shape[0] - 1
+    fp32 = dict(dtype=torch.float32, device=device)
+    h0 = (torch.zeros(N, HV, K, V, **fp32) if initial_state is None
+          else initial_state.to(**fp32).contiguous())
+    o = torch.empty(B * T, HV, V, dtype=torch.bfloat16, device=device)
+    if B * T == 0:
+        return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
+
+    chunks, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    g_cum = torch.empty(B * T, HV, **fp32)
+    ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
+    gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
+    sms = autocp.num_sms(device)
+    R = SOLVE.heads_per_cta(H, HV, chunks.shape[0], sms)
+    with nvtx_range("gdn_fwd.s27"):
+        # g_cum <- chunk-local cumsum of g; Ab, gated <- the gate-free solve
+        _compiled("cumsum", HV)(g, chunks, g_cum)
+        _compiled("solve_tf32" if R <= SOLVE.BY_HEADS.TENSOR_CORE_MAX_HEADS else "solve", H, HV, R)(
+            k, beta, g_cum, chunks, ab, gated)
+    widths, fused = S18.WIDTHS, S18.PIPELINE
+    BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
+    p = PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
+    if p is not None:  # AutoCP: windows, phase 1 (Z, M), phase 2 (each segment row's h0)
+        J = p.max_segments
+        win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
+        exact = torch.empty_like(win_start)
+        z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+        h_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
+        with nvtx_range("gdn_fwd.s27"):
+            _compiled("windows", HV)(g, g_cum, beta, gated, p.slot_start, p.slot_warm.to(torch.int32),
+                                     p.slot_chunk, p.segment_chunks, float(threshold), win_start, exact)
+            _compiled("warmup", H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start, p.slot_chunk,
+                                       exact, z, m)
+            _compiled("chain", HV)(h0, z, m, exact, p.row_of_slot, h_seg)
+        h0, seqs, first_chunk = h_seg, p.bounds, p.first_chunk
+        BV = fused.block_v([1] * (seqs.shape[0] - 1), HV, V, sms, widths.step)
+    ht = torch.empty(h0.shape, **fp32)
+    with nvtx_range("gdn_fwd.s27"):
+        # o, final states <- the fused chain and output over sequences (or segments)
+        _compiled(FUSED_AT[BV], H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
+                                                 scale, o, ht)
+    if p is not None and output_final_state:
+        ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
+    return o.view(B, T, HV, V), (ht if output_final_state else None)
+
+
+def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The chunked GDN forward (``flashqla.reference.chunk_gated_delta_rule_ref``) -> (o, final state)."""
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"gdn_fwd.s27: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    if K != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s27: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
+    if V != HEAD_DIM:
+        raise ValueError(f"gdn_fwd.s27: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
+    if HV % H:
+        raise ValueError(f"gdn_fwd.s27: `v` must have a number of value heads HV that is a "
+                         f"multiple of the H = {H} heads of q; got HV = {HV}")
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
