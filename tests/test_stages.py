@@ -122,11 +122,12 @@ def test_width_rule_check_catches_stale_steps():
 
 
 # ---- gdn_fwd.s27: s26's kernels as programmatic dependents
-S27_SHAPES = {"cumsum": (32,), "solve": (16, 64, 4), "solve_tf32": (16, 32, 2), "windows": (32,),
+S27_SHAPES = {"table": (64,), "cumsum": (32,), "solve": (16, 64, 4), "solve_tf32": (16, 32, 2), "windows": (32,),
               "warmup": (16, 32), "chain": (32,), "fused_narrow": (2, 8, 128, 128, 32),
               "fused": (16, 32, 128, 128, 64)}
-# each kernel's own stage compile (module, its compile function): what s27 must match, PDL aside
-S27_STAGE_COMPILE = {"cumsum": (("chunk_local_cumsum", 2), "_compiled"), "solve": (("gate_free_solve", 6), "_compiled"),
+# each kernel's own stage compile (module, its compile function; None: flashqla.varlen's chunk table):
+# what s27 must match, PDL aside
+S27_STAGE_COMPILE = {"table": (None, "_table_compiled"), "cumsum": (("chunk_local_cumsum", 2), "_compiled"), "solve": (("gate_free_solve", 6), "_compiled"),
                      "solve_tf32": (("gate_free_solve", 8), "_compiled"), "windows": (("gdn_fwd", 18), "_windows"),
                      "warmup": (("gdn_fwd", 23), "_compiled"), "chain": (("gdn_fwd", 24), "_chain"),
                      "fused_narrow": (("gdn_fwd", 12), "_compiled"), "fused": (("gdn_fwd", 16), "_compiled")}
@@ -135,13 +136,14 @@ S27_STAGE_COMPILE = {"cumsum": (("chunk_local_cumsum", 2), "_compiled"), "solve"
 def _s27_matches_its_stage(name, monkeypatch):
     import tilelang
 
+    from flashqla import varlen
     from flashqla.stages import load
 
     calls = []
     monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
     load("gdn_fwd", 27)._compiled.__wrapped__(name, *S27_SHAPES[name])
     stage, compile_fn = S27_STAGE_COMPILE[name]
-    getattr(load(*stage), compile_fn).__wrapped__(*S27_SHAPES[name])
+    getattr(varlen if stage is None else load(*stage), compile_fn).__wrapped__(*S27_SHAPES[name])
     (mine, my_options), (theirs, their_options) = calls
     assert my_options == their_options
     waits = list(re.finditer(r"\n( +)T\.pdl_sync\(\)\n\1T\.pdl_trigger\(\)(?=\n)", mine))

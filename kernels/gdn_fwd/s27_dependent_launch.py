@@ -1,8 +1,8 @@
 """gdn_fwd, stage 27: s26's kernels launched as programmatic dependents: each waits on the one
 before it inside the kernel, not at the launch boundary.
 
-What changed from s26: every TileLang kernel of the forward (cumsum, solve, AutoCP's windows,
-warm-up and chain, the fused kernel) is compiled with ``flashqla.hopper.dependent_launch``: its
+What changed from s26: every TileLang kernel of the forward (the chunk table where a CUDA graph
+captures it, cumsum, solve, AutoCP's windows, warm-up and chain, the fused kernel) is compiled with ``flashqla.hopper.dependent_launch``: its
 first statements are ``griddepcontrol.wait`` (wait for the previous kernel to finish and its
 writes to be visible) and ``griddepcontrol.launch_dependents`` (let the next kernel's CTAs be
 scheduled), and TileLang launches it with programmatic stream serialization. Nothing else
@@ -33,7 +33,8 @@ import torch
 from flashqla import autocp, stages
 from flashqla.hopper import compile_hopper, dependent_launch
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import chunk_table, seq_bounds
+from flashqla import varlen
+from flashqla.varlen import capturing, chunk_table, num_chunk_rows, seq_bounds
 
 NEEDS = ("hopper",)
 SOURCE_MUST_CONTAIN = ("cudaGridDependencySynchronize()", "cudaTriggerProgrammaticLaunchCompletion()",
@@ -49,6 +50,7 @@ DEFAULT_SHAPE = dict(H=16, HV=32)
 FUSED_CONFIGS = {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
 # every kernel of the forward: (its builder, the pass configs its stage compiles it with)
 KERNELS = {
+    "table": (varlen._table_kernel, None),
     "cumsum": (stages.load(*PIPELINE.CUMSUM).chunk_local_cumsum_kernel, {"tl.disable_safe_memory_legalize": True}),
     "solve": (SOLVE.BY_HEADS.BALANCED.gate_free_solve_kernel, None),
     "solve_tf32": (SOLVE.BY_HEADS.TENSOR_CORE.gate_free_solve_kernel, None),
@@ -65,6 +67,21 @@ FUSED_AT = {32: "fused_narrow", 64: "fused", 128: "fused"}   # s17's widths
 def _compiled(name: str, *shape):
     builder, configs = KERNELS[name]
     return compile_hopper(dependent_launch(builder(*shape)), configs)
+
+
+def chunk_rows(cu_seqlens, B: int, T: int, device):
+    """``flashqla.varlen.chunk_table``; inside a CUDA-graph capture (where that builds the table
+    anew on every replay) built by its kernel as a programmatic dependent, like the others."""
+    build = _compiled("table", CHUNK_SIZE)  # compiled on the first (eager) call, never inside a capture
+    if not capturing(device):
+        return chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    bounds = seq_bounds(cu_seqlens, B, T, device)
+    table = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
+    first_chunk = torch.empty(bounds.shape[0], dtype=torch.int32, device=device)
+    with nvtx_range("gdn_fwd.s27"):
+        # table, first_chunk <- [start, end) of every chunk, each sequence's first chunk row
+        build(bounds, B * T, table, first_chunk)
+    return table, first_chunk
 
 
 def kernel_source() -> str:
@@ -96,7 +113,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     if B * T == 0:
         return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
 
-    chunks, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    chunks, first_chunk = chunk_rows(cu_seqlens, B, T, device)
     g_cum = torch.empty(B * T, HV, **fp32)
     ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
