@@ -1342,15 +1342,16 @@ fig.tight_layout()
 # ahead on every (16, 64) problem, where it saves the most bytes, s05 on the single sequences of
 # (16, 32). s07, which has both, is the fastest of these stages on all ten. The API and the peers
 # appear only where they ran in the stages' process: on (16, 32) a later run (commit e7a917b, the
-# README's table) re-timed them without these stages. On (16, 64) the entry point ran s18's
+# README's table) re-timed them without these stages, and on (16, 64) 1 x 2048 another (98a6f05).
+# On the other four (16, 64) problems the entry point ran s18's
 # pipeline (s07's lineage: s12's kernel at 32 value columns a CTA and s16's, the chain split over a
 # state and a value warpgroup, at 64 and 128, the width read from the lengths; after
 # `gate_free_solve.s06`, with AutoCP, which leaves these sequences whole) and was 1.27-1.60x the
 # s07 stage, most on the batch of 8 x 4096, where one CTA owns all 128 columns of a head:
 # besides its faster kernels, the stage builds its varlen tables (bounds, chunk table) again in each
 # of its three calls (cumsum, gate-free solve, fused kernel), while the entry point builds them once,
-# with one kernel. FlashQLA stays ahead of all these stages on every (16, 64) problem; the entry
-# point is ahead of FlashQLA on all five (on 1 x 2048 by half a percent).
+# with one kernel. FlashQLA stays ahead of all these stages on every (16, 64) problem here; the entry
+# point is ahead of FlashQLA on all four.
 #
 # The napkin math of sections 2 and 4 against these numbers. The reformulation changes the
 # preparation (memory-bound), so its gain should track the HBM bytes it saves, whose time at the copy
