@@ -38,7 +38,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,28 +106,20 @@ def num_input_sets(problem: Problem, l2_bytes: int) -> int:
 
 
 def input_sets(problem: Problem, l2_bytes: int, training: bool = False) -> list[dict]:
-    """``num_input_sets`` independent input sets of ``problem``."""
-    return [problem_inputs(problem, i, training) for i in range(num_input_sets(problem, l2_bytes))]
+    """``num_input_sets`` independent input sets of ``problem``, all holding one ``cu_seqlens``
+    tensor (its values are the same in every set).
 
-
-def keep_fla_chunk_indices(n_sets: int) -> None:
-    """Let FLA memoize the chunk indices of ``n_sets`` input sets, before FLA is imported.
-
-    FLA keeps the indices it derives from a ``cu_seqlens`` tensor in a queue of
-    FLA_TENSOR_CACHE_SIZE entries (fla-core 0.6.0: 4). With more input sets than that, every
-    graph capture (one call per set) recomputes evicted indices inside the capture, and that
-    computation reads a count on the host (``torch.repeat_interleave``): the capture fails after FLA
-    has cached tensors from the graph's memory pool, which the failed capture frees. That was the
-    illegal memory access at FLA's first timed call on (2, 8) and (4, 16) 1x2048, the only problems
-    with more than 4 sets (11 and 6): on an H200 (commit 3198fc1) FLA alone faulted there with the
-    default cache and replayed with it sized, and the bench then timed both layouts."""
-    have = int(os.environ.get("FLA_TENSOR_CACHE_SIZE", "4"))
-    fla_env = sys.modules.get("fla.utils.env")
-    if fla_env is not None and fla_env.FLA_TENSOR_CACHE_SIZE < n_sets:
-        raise RuntimeError(f"bench: FLA was imported with FLA_TENSOR_CACHE_SIZE = "
-                           f"{fla_env.FLA_TENSOR_CACHE_SIZE}, fewer than the {n_sets} input sets of a "
-                           f"problem; set FLA_TENSOR_CACHE_SIZE={n_sets} before importing fla")
-    os.environ["FLA_TENSOR_CACHE_SIZE"] = str(max(have, n_sets))
+    The peers memoize what they derive from ``cu_seqlens`` (chunk indices) by the tensor's identity,
+    in a queue of 4 entries (FLA's FLA_TENSOR_CACHE_SIZE, FlashQLA's ``tensor_cache``, fla-core 0.6.0
+    and flash-qla 0.1.3). With more sets than that and a tensor per set, the graph capture (one call
+    per set) misses, and recomputing reads a count on the host, which fails the capture: FLA then
+    faulted on (2, 8) and (4, 16) 1x2048 (11 and 6 sets; commit 3198fc1) until its queue was
+    sized, and FlashQLA fell back to timing without a graph there (1.2 and 0.32 ms, 98a6f05). One
+    tensor is one entry for every implementation, ours included."""
+    sets = [problem_inputs(problem, i, training) for i in range(num_input_sets(problem, l2_bytes))]
+    for x in sets[1:]:
+        x["cu_seqlens"] = sets[0]["cu_seqlens"]
+    return sets
 
 
 def time_row(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
@@ -325,7 +316,6 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     rewritten after each problem."""
     training = mode is TRAINING
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    keep_fla_chunk_indices(max(num_input_sets(p, l2) for p in problems))  # before FLA is imported
     cands = mode.candidates()
     if rows_to_time is not None:
         unknown = set(rows_to_time) - {name for name, _, _ in cands}

@@ -77,7 +77,6 @@ def main(out: Path, commit: str) -> int:
     if not torch.cuda.is_available():
         print("kernel_split_lab: needs a CUDA GPU")
         return 1
-    bench.keep_fla_chunk_indices(1)                                  # before FLA is imported
     meta = bench.versions(commit) | {"method": METHOD}
     rows = []
     for p in PROBLEMS:

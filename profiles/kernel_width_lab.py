@@ -33,7 +33,6 @@ pipeline, the library's forward on that branch; s17's steps come from this run).
 
 import argparse
 import csv
-import os
 import sys
 from pathlib import Path
 
@@ -41,7 +40,6 @@ FUSED = (("s12", 12, (32, 64)), ("s14", 14, (32, 64, 128)), ("s16", 16, (32, 64,
 
 
 def measure(out: Path, heads, commit: str) -> int:
-    os.environ.setdefault("FLA_TENSOR_CACHE_SIZE", "64")  # see flashqla.bench.keep_fla_chunk_indices
     import flash_qla
     import torch
 

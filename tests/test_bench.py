@@ -1,10 +1,9 @@
 """The benchmark's napkin math and its committed results: the README table is the CSV's."""
 
-import os
 import sys
-import types
 
 import pytest
+import torch
 
 from flashqla import bench
 from flashqla.testing import Problem
@@ -84,18 +83,16 @@ def test_heads_and_lengths_reads_every_problem_label():
         bench.heads_and_lengths("16, 32 4096")
 
 
-def test_fla_keeps_the_chunk_indices_of_every_input_set(monkeypatch):
-    monkeypatch.delenv("FLA_TENSOR_CACHE_SIZE", raising=False)
-    monkeypatch.delitem(sys.modules, "fla.utils.env", raising=False)
-    bench.keep_fla_chunk_indices(11)
-    assert os.environ["FLA_TENSOR_CACHE_SIZE"] == "11"
-    bench.keep_fla_chunk_indices(3)                          # never lowered
-    assert os.environ["FLA_TENSOR_CACHE_SIZE"] == "11"
-    # FLA imported already with a smaller queue: too late to fix, and said so
-    monkeypatch.setitem(sys.modules, "fla.utils.env", types.SimpleNamespace(FLA_TENSOR_CACHE_SIZE=4))
-    with pytest.raises(RuntimeError, match="FLA_TENSOR_CACHE_SIZE"):
-        bench.keep_fla_chunk_indices(11)
-    # the bench's problems: the most input sets of any (an H200's 60 MB of L2 as example)
+def test_input_sets_share_one_cu_seqlens(monkeypatch):
+    """Every input set of a problem holds the same ``cu_seqlens`` tensor (the peers memoize by its
+    identity, 4 entries deep); the other inputs are the set's own. The bench's problems: some have
+    more than 4 sets (an H200's 60 MB of L2 as example)."""
+    monkeypatch.setattr(bench, "problem_inputs", lambda problem, seed, training=False: problem.inputs("cpu", seed))
+    p = Problem(2, 8, (300, 77))
+    sets = bench.input_sets(p, bench.useful_bytes(p) * 5 // 2)
+    assert len(sets) == 5
+    assert all(x["cu_seqlens"] is sets[0]["cu_seqlens"] for x in sets)
+    assert not torch.equal(sets[0]["v"], sets[1]["v"])
     assert max(bench.num_input_sets(p, 60 * 2**20) for p in bench.PROBLEMS) > 4
 
 

@@ -41,8 +41,9 @@ s26 against s24 carries one extra table launch:
     (8, 32) 28672+4096   1.0629  1.0676  1.1319   0.94     1.2855   2.1947
     (16, 32) 28672+4096  1.0680  1.0495  1.1212   0.94     1.2976   2.2043
 
-(* FlashQLA failed its CUDA-graph capture on the first problems of its process and was timed
-without a graph, 1.2 and 0.32 ms: not a measure of its kernels.) s25's rule splits both
+(* FlashQLA's CUDA-graph capture failed and it was timed without a graph, 1.2 and 0.32 ms: not a
+measure of its kernels. These problems have more input sets than its 4-entry chunk-index cache,
+each with its own cu_seqlens then; ``flashqla.bench.input_sets`` now shares one.) s25's rule splits both
 28672+4096 problems at L 64: 0.94x s24's time, 1.21-1.24x FlashQLA's speed. On (2, 8) 1x8192 it
 picks L 16 where s24 picks 8: 1.03x s24's time here (1.015x in s24's sweep), the price of a rule
 that ranks every length with one formula. On the 1x2048 problems the API is 1.07x FLA's speed on
