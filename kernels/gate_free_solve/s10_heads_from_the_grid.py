@@ -21,7 +21,7 @@ replay's time / 50: ``profiles/results/prologue.csv``, ``profiles/prologue_lab.p
     (16, 64) 1x2048         512              23.1            25.5         34.6
 
 Below one CTA an SM, two heads a CTA take 0.61-0.77x s09's time; from 256 CTAs on, four heads a
-CTA stay as fast or faster (the shared K K^T and fewer launches of its 64 x 64 product win).
+CTA stay as fast or faster (the key head's K K^T, computed once for four heads, wins).
 One head a CTA never wins: its CTAs hold the key head's K K^T once for each value head. On all 16
 problems of that file (the eight head layouts at 1x2048 and 1x8192) this choice runs a kernel
 within 5 % of the fastest variant timed; s09's is up to 1.65x slower (``tests/test_bench.py``).
