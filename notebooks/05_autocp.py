@@ -799,8 +799,8 @@ for H, HV in PUBLIC_HEADS:
 # %% [markdown]
 # The benchmark rows of its run (one H100, commit 98a6f05, the peers in the same process). The
 # stage rows build their chunk table once per sub-step inside the CUDA graph (four table launches
-# for s26, three for s24, one for the library), so the API row, which runs s26's kernels bit for
-# bit, is the one to compare with the peers:
+# for s26 as timed, three since its solve counts the rows on the host; three for s24; one for the
+# library), so the API row, which runs s26's kernels bit for bit, is the one to compare with the peers:
 
 # %%
 run26 = [r for r in rows_fwd if r["commit"].startswith("98a6f05") and r["ms"]]

@@ -40,7 +40,7 @@ Taught in: notebooks/04_reformulation.py (the solve)
 import torch
 
 from flashqla import autocp, stages
-from flashqla.varlen import chunk_table
+from flashqla.varlen import num_chunk_rows
 
 NEEDS = ("hopper",)
 SOURCE_MUST_CONTAIN = ("wgmma", "float t_col[16]", "__shfl_xor_sync", "kTensorFloat32")
@@ -74,7 +74,7 @@ def solve(k, beta, g_cum, cu_seqlens=None):
     fp32 -> (ab [B, T, HV, 64] bf16, gated [NT, HV] int32)."""
     B, T, H = k.shape[:3]
     HV = beta.shape[2]
-    num_chunks = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, k.device)[0].shape[0]
+    num_chunks = num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE)  # the chunk table's rows, on the host
     R = heads_per_cta(H, HV, num_chunks, autocp.num_sms(k.device))
     return stage_for(R).solve(k, beta, g_cum, cu_seqlens, heads_per_cta=R)
 

@@ -23,10 +23,12 @@ CUDA graph, the replay's time / 50), us:
 Measured effect (the benchmark, one H100, commit 98a6f05, CUDA-graph replay, these rows and both
 peers in one process), ms. The API runs this stage's kernels in this stage's order (bit for bit,
 ``tests/test_promoted.py``); the stage rows also pay for their sub-steps' own chunk tables, which
-inside a capture are built anew by each: four launches of the table kernel in s26's forward (the
-cumsum, the solve's grid count, the solve, the fused launch), three in s24's, one in the library's,
-about 2 us each on these short problems. So the API row is the one to read against the peers, and
-s26 against s24 carries one extra table launch:
+inside a capture are built anew by each: four launches of the table kernel in s26's forward as
+timed (the cumsum, the solve's grid count, the solve, the fused launch), three in s24's, one in the
+library's, about 2 us each on these short problems. So the API row is the one to read against the
+peers, and s26 against s24 carries one extra table launch. (Since then gate_free_solve.s10 counts
+the rows on the host, ``num_chunk_rows``, so s26 launches three tables, as s24; the kernels, their
+order and their results are unchanged.)
 
     problem               API     s26     s24    s26/s24  FlashQLA   FLA
     (2, 8) 1x2048        0.0775  0.0850  0.0913   0.93       -*     0.0828
