@@ -16,7 +16,17 @@ tokens, one row per kernel:
                    graph, the replay's time / 50, median of 5 replays (one launch a graph would
                    time the graph's own overhead, about 17 us, not the kernel)
 
-plus the provenance columns of ``flashqla.bench.versions`` and ``method``. On any machine,
+plus the provenance columns of ``flashqla.bench.versions`` and ``method``. Alone, a launch's tail
+overlaps only the next launch of the same kernel; inside the forward the solve runs once, between
+the cumsum and the fused kernel, and its time is one launch's latency. So
+
+    python3 profiles/prologue_lab.py forward OUT.csv [--commit SHA]
+
+times the solve there: for the same problems and every grouping R, the library's forward
+(``flashqla.chunk_gated_delta_rule``) with ``flashqla.fwd.solve_heads`` forced to R (s08's kernel
+at R <= 2, s06's above, as the library runs them), captured in a CUDA graph, 20 replays under
+torch.profiler; ``us`` is the solve kernel's device time a replay, ``forward_us`` the replay's
+span from its first kernel's start to its last one's end. On any machine,
 
     python3 profiles/prologue_lab.py report IN.csv
 
@@ -115,6 +125,84 @@ def measure(out: Path, commit: str) -> int:
     return 0
 
 
+FORWARD_REPLAYS = 20
+FORWARD_METHOD = (f"the library's forward in one CUDA graph, solve_heads forced; kernel device time "
+                  f"and span under torch.profiler, mean of {FORWARD_REPLAYS} replays")
+
+
+def forward_times(x) -> tuple[float, float]:
+    """(the solve kernel's us, the forward's span in us) a replay of the library's forward."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashqla.api import chunk_gated_delta_rule
+
+    for _ in range(3):
+        chunk_gated_delta_rule(**x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chunk_gated_delta_rule(**x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chunk_gated_delta_rule(**x)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(FORWARD_REPLAYS):
+            graph.replay()
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"]
+                  if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    events.sort(key=lambda e: e["ts"])
+    n = len(events) // FORWARD_REPLAYS
+    assert n * FORWARD_REPLAYS == len(events), f"{len(events)} kernels in {FORWARD_REPLAYS} replays"
+    solve = sum(e["dur"] for e in events if "gate_free_solve" in e["name"]) / FORWARD_REPLAYS
+    span = sum(events[r * n + n - 1]["ts"] + events[r * n + n - 1]["dur"] - events[r * n]["ts"]
+               for r in range(FORWARD_REPLAYS)) / FORWARD_REPLAYS
+    return solve, span
+
+
+def measure_forward(out: Path, commit: str) -> int:
+    from unittest import mock
+
+    from flashqla import bench, fwd
+    from flashqla.api import chunk_gated_delta_rule
+    from flashqla.testing import PUBLIC_HEADS, Problem, run_on_threads
+    from flashqla.varlen import num_chunk_rows
+
+    problems = [Problem(H, HV, (n,)) for H, HV in PUBLIC_HEADS for n in LENGTHS]
+    groupings = {p.label: [R for R in (1, 2, 3, 4) if (p.HV // p.H) % R == 0] for p in problems}
+    inputs = {p.label: p.inputs("cuda") for p in problems}
+    run_on_threads([lambda p=p, R=R: fwd._compiled(
+        fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel,
+        p.H, p.HV, R) for p in problems for R in groupings[p.label]])
+    run_on_threads([lambda x=x: chunk_gated_delta_rule(**x) for x in inputs.values()])
+    meta = bench.versions(commit)
+    rows = []
+    for p in problems:
+        rows_p = num_chunk_rows(inputs[p.label]["cu_seqlens"], 1, max(p.lengths), 64)
+        for R in groupings[p.label]:
+            with mock.patch.object(fwd, "solve_heads", lambda *_, R=R: R):
+                us, span = forward_times(inputs[p.label])
+            stage = "s08" if R <= fwd.SOLVE_TF32_MAX_HEADS else "s06"
+            rows.append(dict(problem=p.label, kernel=f"gate_free_solve.{stage}/{R}", ctas=rows_p * p.HV // R,
+                             us=round(us, 1), forward_us=round(span, 1), method=FORWARD_METHOD, **meta))
+        print(report_line(p.label, [r for r in rows if r["problem"] == p.label]), flush=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return 0
+
+
 def report_line(label: str, rows: list[dict]) -> str:
     short = {"chunk_local_cumsum": "cumsum", "gate_free_solve": "solve"}
     return f"{label:18s} " + "  ".join(
@@ -135,11 +223,16 @@ def main(argv=None) -> int:
     p_measure = sub.add_parser("measure")
     p_measure.add_argument("out", type=Path)
     p_measure.add_argument("--commit", default="unknown")
+    p_forward = sub.add_parser("forward")
+    p_forward.add_argument("out", type=Path)
+    p_forward.add_argument("--commit", default="unknown")
     p_report = sub.add_parser("report")
     p_report.add_argument("path", type=Path)
     args = parser.parse_args(argv)
     if args.command == "measure":
         return measure(args.out, args.commit)
+    if args.command == "forward":
+        return measure_forward(args.out, args.commit)
     return report(args.path)
 
 
