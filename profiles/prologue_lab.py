@@ -32,8 +32,9 @@ span from its first kernel's start to its last one's end. On any machine,
 
 prints each problem's kernels on one line. ``results/prologue.csv`` (one H100, commit 677241e) is
 quoted in gate_free_solve.s10's and chunk_local_cumsum.s02's docstrings; it was measured by a
-script of the same method and kernels that this lab was then written from (the lab itself has
-not run on the GPU yet).
+script of the same method and kernels that this lab was then written from.
+``results/solve_in_forward.csv`` is this lab's ``forward`` (one H100, commit b37aa0a), quoted in
+gate_free_solve.s11's docstring.
 """
 
 import argparse

@@ -1,30 +1,29 @@
-"""gate_free_solve, stage 11: heads a CTA chosen from the solve's time inside the forward: the most
-heads a CTA that still leave three CTAs an SM.
+"""gate_free_solve, stage 11: heads a CTA chosen from the solve's time inside the forward: three or
+four heads a CTA (s06's kernel) only where they leave three CTAs an SM.
 
-What changed from s10: nothing in either kernel; ``heads_per_cta`` has a new rule. s10 picked from
-each kernel alone, 50 launches back to back in one CUDA graph (``results/prologue.csv``): there a
-launch's tail overlaps nothing but the next launch of the same kernel, and four heads a CTA
-looked as fast as two from 256 CTAs on. Inside the forward the solve runs once, after the cumsum
-and before the fused kernel, and its time is one launch's latency: with 256 CTAs of four heads,
-two CTAs an SM (of the four that fit, ``MIN_CTAS_PER_SM``), an SM walks two CTAs' four heads in
-turn and the other two slots stay empty. Here a CTA holds the most heads ``r`` (a divisor of
-HV / H, at most ``cta_heads``) for which ``num_chunks x HV / r`` is at least ``MIN_CTAS_PER_SM - 1
-= 3`` CTAs an SM; where no grouping reaches that, one head a CTA. As in s09, one or two heads a CTA
-run s08's kernel (the tensor-core half), three or four s06's.
+What changed from s10: nothing in either kernel; ``heads_per_cta`` has a new threshold. s10 chose
+from each kernel alone, 50 launches back to back in one CUDA graph (``results/prologue.csv``):
+there a launch's tail overlaps nothing but the next launch of the same kernel, and s06's kernel at
+four heads a CTA looked as fast as s08's at two from 256 CTAs on. Inside the forward the solve runs
+once, between the cumsum and the fused kernel, and its time is one launch's latency. At 256 CTAs
+of four heads an SM holds two of the four CTAs that fit (``MIN_CTAS_PER_SM``) and walks their
+heads in turn on the CUDA cores. Here ``cta_heads`` value heads a CTA (three or four: s06's
+kernel) run only where ``num_chunks x HV / cta_heads`` is at least ``WAVE_CTAS_PER_SM = 3`` CTAs an
+SM; elsewhere s08's kernel (the inverse's lower-left half on the tensor cores) at two heads a CTA,
+or one where two do not divide the group.
 
-Why (one H100, commit ab90d41; ``profiles/solve_lab.py forward``: the API's forward captured in a
-CUDA graph with the solve's grouping forced, the solve kernel's device time in 20 replays under
-torch.profiler, ``results/solve_in_forward.csv``), us, the solve kernel / the whole forward:
+Why (one H100, commit b37aa0a; ``profiles/prologue_lab.py forward``: the library's forward captured
+in a CUDA graph with the solve's grouping forced, the solve kernel's device time in 20 replays
+under torch.profiler, ``results/solve_in_forward.csv``), us, the solve kernel / the forward:
 
-    problem            CTAs at s10's R   s10's R   at s10's R    at s11's R     s11's R
-    (4, 16) 1x2048          132             4      14.3 / 80.0    9.7 / 78.4       1
-    (8, 32) 1x2048          264             4      24.5 / 93.5   15.5 / 84.6       2
-    (8, 24) 1x2048          264             3      22.0 / 90.1   19.6 / 89.6       1
-    (2, 8) 1x8192           258             4      25.5 / 169.0  15.8 / 159.7      2
+    problem           CTAs at s10's R   s10's R: solve / forward   s11's R: solve / forward
+    (8, 32) 1x2048          264          4:  24.3 / 93.4             2:  15.9 / 84.8
+    (2, 8) 1x8192           258          4:  25.4 / 169.8            2:  15.9 / 160.0
+    (8, 24) 1x2048          264          3:  21.6 / 90.5             1:  19.8 / 90.5
 
-Everywhere else s10's and s11's choices agree. Against each kernel alone s10 was within 5 % of
-the fastest; in the forward it runs up to 1.6x the fastest grouping's solve, and s11 is within
-5 % of it on all 16 problems of that file (``tests/test_bench.py``).
+On all 16 problems of that file s11's grouping runs a solve within 5 % of the fastest grouping
+timed there; s10's runs up to 1.60x it (``tests/test_bench.py``). The problems where they differ
+are the ones where s10 left two CTAs an SM.
 
 Measured effect in the forward: gdn_fwd.s28's rows in ``results/gdn_fwd.csv``.
 
@@ -44,15 +43,17 @@ SOURCE_MUST_CONTAIN = ("wgmma", "float t_col[16]", "__shfl_xor_sync", "kTensorFl
 BY_GRID = stages.load("gate_free_solve", 10)     # stage_for: s08 at one or two heads, s06 above
 BY_HEADS = BY_GRID.BY_HEADS
 CHUNK_SIZE = BY_HEADS.CHUNK_SIZE
-MIN_CTAS_PER_SM = 3   # CTAs an SM the grid must give a grouping (of the 4 that fit an SM)
+WAVE_CTAS_PER_SM = 3  # CTAs an SM that s06's grouping must leave (of the 4 that fit an SM)
 
 
 def heads_per_cta(H: int, HV: int, num_chunks: int, num_sms: int) -> int:
-    """The most value heads a CTA, r <= cta_heads(H, HV) dividing HV / H, for which ``num_chunks``
-    rows of the chunk table x HV / r CTAs are at least MIN_CTAS_PER_SM an SM; else one."""
-    fits = [r for r in range(1, BY_HEADS.cta_heads(H, HV) + 1)
-            if (HV // H) % r == 0 and num_chunks * HV >= r * MIN_CTAS_PER_SM * num_sms]
-    return max(fits, default=1)
+    """``cta_heads(H, HV)``; where that is three or four and ``num_chunks`` rows of the chunk table
+    x HV / it are fewer than WAVE_CTAS_PER_SM CTAs an SM, two (s08's kernel), or one where two do
+    not divide it."""
+    R = BY_HEADS.cta_heads(H, HV)
+    if R > BY_HEADS.TENSOR_CORE_MAX_HEADS and num_chunks * HV < R * WAVE_CTAS_PER_SM * num_sms:
+        return BY_HEADS.TENSOR_CORE_MAX_HEADS if R % BY_HEADS.TENSOR_CORE_MAX_HEADS == 0 else 1
+    return R
 
 
 def kernel_source() -> str:
