@@ -3,23 +3,25 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s26's
-pipeline: s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase 1 on a
-state and a value warpgroup, and s24's phase 2, M read only for heads with an exact slot, states
-written by segment row) with chunk_local_cumsum.s02, gate_free_solve.s10 (s08's tensor-core half
-with one or two value heads a CTA, s06's blocked solve with three or four; two a CTA where the grid
-would leave SMs idle) and s25's rule (every length of a ladder, priced by phase 3's waves), and a
-fused kernel whose width
-comes from the sequence lengths (``block_v``, s15's rule): s12's (s07's reformulated,
-warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA, s16's (the chain split
-over a state and a value warpgroup, s14, with O stored by TMA) at 64 and 128; with AutoCP (s18's:
-the plan from the host, the windows from g, beta and the flags).
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s28's
+pipeline: s27's (s26's kernels, each compiled as a programmatic dependent: ``griddepcontrol.wait``
+and ``launch_dependents`` first, launched with programmatic stream serialization, so a kernel's
+CTAs are resident when its predecessor ends) with gate_free_solve.s11's grouping of the solve.
+s26's kernels are s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase
+1 on a state and a value warpgroup, and s24's phase 2, M read only for heads with an exact slot,
+states written by segment row) with chunk_local_cumsum.s02, the solve (s08's tensor-core half with
+one or two value heads a CTA, s06's blocked solve with three or four, the latter only where they
+leave three CTAs an SM: s11) and s25's rule (every length of a ladder, priced by phase 3's waves),
+and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule): s12's
+(s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA,
+s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA) at 64 and
+128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
     chunk_local_cumsum.s02   g                       -> g_cum     one CTA per chunk, eight threads a
                                                                   head: 1.6-2.5 us where s01 took
                                                                   4.0-7.3 (one H100, 677241e)
-    gate_free_solve.s10      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
+    gate_free_solve.s11      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
                                                                   substitution, the rest by block
@@ -32,9 +34,10 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   (s08), the inverse's lower-left
                                                                   half is two tf32 tensor-core
                                                                   products: 0.83-0.94x s06's time.
-                                                                  Two heads a CTA where cta_heads
-                                                                  leaves SMs without a CTA (s10):
-                                                                  0.61-0.77x s09's time there
+                                                                  Three or four heads a CTA only
+                                                                  where they leave three CTAs an
+                                                                  SM (s11): 15.9 us where 24.3 on
+                                                                  (8, 32) 1x2048, in the forward
     gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel. Per
@@ -102,9 +105,9 @@ import functools
 import torch
 
 from flashqla import autocp
-from flashqla.hopper import compile_hopper
+from flashqla.hopper import compile_hopper, dependent_launch
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import chunk_table, host_bounds, seq_bounds
+from flashqla.varlen import _table_kernel, capturing, chunk_table, host_bounds, num_chunk_rows, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
@@ -130,7 +133,7 @@ MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key he
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
-SOLVE_SPREAD_HEADS = 2    # gate_free_solve.s10: heads a CTA where cta_heads would leave SMs without a CTA
+SOLVE_WAVE_CTAS_PER_SM = 3  # gate_free_solve.s11: CTAs an SM that three or four heads a CTA must leave
 CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
@@ -241,11 +244,12 @@ def cta_heads(H: int, HV: int) -> int:
 
 
 def solve_heads(H: int, HV: int, num_chunks: int, num_sms: int) -> int:
-    """Value heads a solve CTA holds (gate_free_solve.s10): ``cta_heads``, or SOLVE_SPREAD_HEADS
-    where that many leave SMs without a CTA (num_chunks x HV / cta_heads < num_sms) and divide it."""
+    """Value heads a solve CTA holds (gate_free_solve.s11): ``cta_heads``; where that is three or four
+    and num_chunks x HV / it are fewer than SOLVE_WAVE_CTAS_PER_SM CTAs an SM, two (s08's kernel),
+    or one where two do not divide it."""
     R = cta_heads(H, HV)
-    if R > SOLVE_SPREAD_HEADS and R % SOLVE_SPREAD_HEADS == 0 and num_chunks * HV < R * num_sms:
-        return SOLVE_SPREAD_HEADS
+    if R > SOLVE_TF32_MAX_HEADS and num_chunks * HV < R * SOLVE_WAVE_CTAS_PER_SM * num_sms:
+        return SOLVE_TF32_MAX_HEADS if R % SOLVE_TF32_MAX_HEADS == 0 else 1
     return R
 
 
@@ -1428,7 +1432,24 @@ PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": Tr
 
 @functools.cache
 def _compiled(builder, *shape):
-    return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
+    """``builder(*shape)`` as a programmatic dependent (gdn_fwd.s27): it waits on the kernel before
+    it inside, and lets the one after it be scheduled at once."""
+    return compile_hopper(dependent_launch(builder(*shape)), PASS_CONFIGS.get(builder))
+
+
+def chunk_rows(cu_seqlens, B: int, T: int, device):
+    """``flashqla.varlen.chunk_table``; inside a CUDA-graph capture (where that builds the table
+    anew on every replay) built by its kernel as a programmatic dependent, like the others."""
+    build = _compiled(_table_kernel, CHUNK_SIZE)  # compiled on the first (eager) call, never in a capture
+    if not capturing(device):
+        return chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    bounds = seq_bounds(cu_seqlens, B, T, device)
+    table = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
+    first_chunk = torch.empty(bounds.shape[0], dtype=torch.int32, device=device)
+    with nvtx_range("fwd.chunk_table"):
+        # table, first_chunk <- [start, end) of every chunk, each sequence's first chunk row
+        build(bounds, B * T, table, first_chunk)
+    return table, first_chunk
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
@@ -1452,7 +1473,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if B * T == 0:
         return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
 
-    chunks, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    chunks, first_chunk = chunk_rows(cu_seqlens, B, T, device)
     g_cum = torch.empty(B * T, HV, **fp32)
     ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)

@@ -225,7 +225,7 @@ def compiled_kernels():
     from flashqla import bwd, fwd
     from flashqla.testing import run_on_threads
 
-    def solves(H, HV):  # the forward's choices (gate_free_solve.s10): long problems, then short ones
+    def solves(H, HV):  # the forward's choices (gate_free_solve.s11): long problems, then short ones
         for R in {fwd.solve_heads(H, HV, 10**6, 1), fwd.solve_heads(H, HV, 0, 1)}:
             yield fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel, R
 

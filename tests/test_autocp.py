@@ -428,17 +428,17 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27],
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27"])
+                     "s27", "s28"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
     s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 on
     the state/value split, s24 s23's with phase 2 reading M only where needed, s26 s24's with
     the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
-    dependents), with its kernels (and those of the chain it runs) compiled on threads
-    first."""
+    dependents, s28 s27's with gate_free_solve.s11's grouping), with its kernels (and those of the
+    chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 

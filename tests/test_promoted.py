@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s26) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s28) gives."""
 
 import functools
 import sys
@@ -51,19 +51,28 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
 
 
 def test_solve_groups_value_heads_as_its_stage():
-    """The solve's CTAs take gate_free_solve.s10's number of value heads (s06's ``cta_heads``, or two
-    where the grid leaves SMs idle): the copies of the kernels above are only the stages' at that
-    number; and the forward runs s08's kernel exactly where gate_free_solve.s10 does."""
-    stage, by_grid = load("gate_free_solve", 6), load("gate_free_solve", 10)
-    spread = 0
+    """The solve's CTAs take gate_free_solve.s11's number of value heads (s06's ``cta_heads``, or two
+    or one where three or four leave fewer than three CTAs an SM): the copies of the kernels above
+    are only the stages' at that number; and the forward runs s08's kernel exactly where
+    gate_free_solve.s11 does."""
+    stage, by_forward = load("gate_free_solve", 6), load("gate_free_solve", 11)
+    changed = set()
     for H, HV in [(2, 8), (4, 16), (8, 24), (8, 32), (16, 16), (16, 32), (16, 48), (16, 64), (1, 8), (2, 12)]:
         assert fwd.cta_heads(H, HV) == stage.cta_heads(H, HV)
-        for num_chunks, sms in [(32, 132), (33, 132), (128, 132), (512, 132), (1, 114), (0, 132)]:
+        for num_chunks, sms in [(32, 132), (33, 132), (128, 132), (129, 132), (512, 132), (1, 114), (0, 132)]:
             R = fwd.solve_heads(H, HV, num_chunks, sms)
-            assert R == by_grid.heads_per_cta(H, HV, num_chunks, sms)
-            assert (R <= fwd.SOLVE_TF32_MAX_HEADS) == (by_grid.stage_for(R) is by_grid.BY_HEADS.TENSOR_CORE)
-            spread += R != fwd.cta_heads(H, HV)
-    assert spread > 0
+            assert R == by_forward.heads_per_cta(H, HV, num_chunks, sms)
+            assert (R <= fwd.SOLVE_TF32_MAX_HEADS) == (by_forward.BY_GRID.stage_for(R) is by_forward.BY_HEADS.TENSOR_CORE)
+            if R != fwd.cta_heads(H, HV):
+                changed.add(R)
+    assert changed == {1, 2}
+
+
+# the kernel of gdn_fwd.s27 (the library's, as programmatic dependents) that each forward stage's
+# builder is compiled as
+S27_KERNEL = {("chunk_local_cumsum", 2): "cumsum", ("gate_free_solve", 6): "solve",
+              ("gate_free_solve", 8): "solve_tf32", ("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
+              ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow", ("gdn_fwd", 16): "fused"}
 
 
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
@@ -71,21 +80,52 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
                                                          monkeypatch):
     """The library compiles each kernel with its stage's target and pass configs (the fused forward
     kernel and the backward's walk are only correct without shared-memory reuse), and the stage
-    compiles the same program (for the walk: with the library's BV). tilelang.compile is replaced by
-    a recorder: nothing is compiled."""
+    compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s27
+    compiles it (a programmatic dependent). tilelang.compile is replaced by a recorder: nothing is
+    compiled."""
     import tilelang
 
     calls = []
     monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
     sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
     module = load(*stage)
-    if stage_builder in STAGE_COMPILE:
+    if builder.__module__ == fwd.__name__:
+        load("gdn_fwd", 27)._compiled.__wrapped__(S27_KERNEL[stage], *shape)
+    elif stage_builder in STAGE_COMPILE:
         getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])  # (H, HV) or (HV,)
     else:
         module._compiled.__wrapped__(*shape)
     (library_program, library), (staged_program, staged) = calls
     assert library == staged, (library, staged)
     assert library_program == staged_program
+
+
+def test_chunk_table_in_a_capture_is_s27s(monkeypatch):
+    """Inside a CUDA-graph capture the library builds the chunk table with the kernel gdn_fwd.s27
+    builds it with (varlen's, as a programmatic dependent), compiled the same way."""
+    import tilelang
+
+    from flashqla import varlen
+
+    calls = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    fwd._compiled.__wrapped__(varlen._table_kernel, fwd.CHUNK_SIZE)
+    load("gdn_fwd", 27)._compiled.__wrapped__("table", fwd.CHUNK_SIZE)
+    (library_program, library), (staged_program, staged) = calls
+    assert library == staged and library_program == staged_program
+    assert "pdl" in library_program.lower()
+
+
+def test_promoted_compile_check_catches_a_missing_dependent_launch(monkeypatch):
+    """The compile check above fails for a forward kernel compiled without PDL (as s26 did)."""
+    import tilelang
+
+    calls = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    monkeypatch.setattr(fwd, "dependent_launch", lambda func: func)
+    fwd._compiled.__wrapped__(fwd.chain_kernel, 32)
+    load("gdn_fwd", 27)._compiled.__wrapped__("chain", 32)
+    assert calls[0][0] != calls[1][0]
 
 
 def test_block_v_is_the_stage_rule():
@@ -155,15 +195,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s26's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s28's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
-    chaining); the solve both with two heads a CTA (short) and with cta_heads (long)."""
-    s26 = load("gdn_fwd", 26)
+    chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
+    s28 = load("gdn_fwd", 28)
     calls = []
-    for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16)):
+    for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s26.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s28.forward)]
     run_on_threads(calls)
 
 
@@ -196,12 +236,13 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
     (Problem(2, 8, (2000,)), None),                                 # ... 2 heads a CTA: few chunks
     (Problem(4, 16, (1500, 77)), None),
+    (Problem(8, 24, (2000,)), None),                                # ... 1 head a CTA: 3 don't fill
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
-        "solve-spread", "solve-spread-varlen"])
+        "solve-spread", "solve-spread-varlen", "solve-one"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s26's kernels in s26's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s28's kernels in s28's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 26).forward(**x, cp=cp)
+    want = load("gdn_fwd", 28).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -18,10 +18,30 @@ waiting when the previous one ends, so the gap between kernels shrinks to the wa
 wait comes first, before any load, so no kernel reads what its predecessor (or one before it,
 which the predecessor waited for) has not finished writing.
 
-Measured effect: not yet measured (no GPU time left in the session that wrote it). It compiles
-for sm_90a (``cudaGridDependencySynchronize`` / ``cudaTriggerProgrammaticLaunchCompletion`` in
-every kernel's CUDA); its GPU tests (the public shapes; bit for bit against s26) and a benchmark
-row against the API (s26's kernels with the same host code) are the next session's first call.
+Measured effect (the benchmark, one H100, commit c45772f, CUDA-graph replay, these rows and both
+peers in one process), ms. The API runs s26's kernels with the same host code as this stage (one
+chunk table), so s27 / API is what PDL changes:
+
+    problem             s27      API    s27/API   s26    FlashQLA    FLA
+    (2, 8) 1x2048      0.0743   0.0781   0.95    0.0818   0.0710    0.0848
+    (4, 16) 1x2048     0.0849   0.0844   1.01    0.0909   0.0758    0.1032
+    (8, 32) 1x2048     0.0939   0.0964   0.97    0.1044   0.0877    0.1450
+    (8, 24) 1x2048     0.0882   0.0941   0.94    0.0986   0.0853    0.1250
+    (16, 16) 1x2048    0.0819   0.0852   0.96    0.0889   0.0800    0.1096
+    (16, 32) 1x2048    0.0872   0.0908   0.96    0.0967   0.0902    0.1482
+    (16, 48) 1x2048    0.1102   0.1109   0.99    0.1189   0.1112    0.2178
+    (16, 64) 1x2048    0.1154   0.1162   0.99    0.1200   0.1212    0.2596
+    (16, 16) 1x8192    0.2255   0.2319   0.97    0.2354   0.2333    0.3692
+    (8, 32) 1x8192     0.2985   0.3073   0.97    0.3065   0.3073    0.5219
+    (16, 48) 1x8192    0.3873   0.3846   1.01    0.3875   0.3812    0.7654
+
+0.94-1.01x the API's time, 3-6 us off most short problems. A kernel timeline of one replay
+(torch.profiler, same commit) shows why it is not more: without PDL the gaps between kernels are
+already 0.3-0.5 us in a graph; what PDL hides is the launch's ramp (the next kernel's CTAs are
+resident when the wait releases). The chunk table kernel (3.5-3.8 us, one CTA) and the solve stay
+on the path: on (8, 32) 1x2048 the solve takes 24 us at four heads a CTA where FlashQLA's takes 18
+(gate_free_solve.s11, gdn_fwd.s28). GPU tests: the public shapes (24); AutoCP's tests of this
+stage and the bit-for-bit test against s26, eager and two forwards in one graph (11; c45772f).
 
 Taught in: notebooks/05_autocp.py (section 15)
 """
@@ -94,9 +114,11 @@ def kernel_source() -> str:
 
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, *, solve=SOLVE):
     """s26's forward with every kernel a programmatic dependent (``cp`` None decides, False never
-    splits, True splits at the rule's cheapest L, an int is the segment length in chunks)."""
+    splits, True splits at the rule's cheapest L, an int is the segment length in chunks).
+    ``solve``: the gate_free_solve stage whose grouping (``heads_per_cta``) the solve takes
+    (gdn_fwd.s28 passes s11)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -118,7 +140,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     sms = autocp.num_sms(device)
-    R = SOLVE.heads_per_cta(H, HV, chunks.shape[0], sms)
+    R = solve.heads_per_cta(H, HV, chunks.shape[0], sms)
     with nvtx_range("gdn_fwd.s27"):
         # g_cum <- chunk-local cumsum of g; Ab, gated <- the gate-free solve
         _compiled("cumsum", HV)(g, chunks, g_cum)
