@@ -11,7 +11,23 @@ FlashQLA's 17.6, with the fused kernels level (61.5 and 62.7 us). Timing the sol
 forward at every grouping (``results/solve_in_forward.csv``) gave s11's rule: 15.9 us at two heads
 a CTA there, and 15.9 where 25.4 on (2, 8) 1x8192.
 
-Measured effect: not yet measured in the benchmark.
+Measured effect (the benchmark, one H100, commit 349a8ed, CUDA-graph replay, these rows and both
+peers in one process; the API runs this stage, bit for bit), ms, with s27 and the API before it (s26's
+kernels without PDL) from the run at c45772f on the same card:
+
+    problem            s28      API     FlashQLA    FLA     | c45772f: s27     API
+    (8, 32) 1x2048    0.0827   0.0832   0.0855    0.1419    |         0.0939  0.0964
+    (4, 16) 1x2048    0.0781   0.0771   0.0764    0.1016    |         0.0849  0.0844
+    (8, 24) 1x2048    0.0872   0.0885   0.0818    0.1237    |         0.0882  0.0941
+    (2, 8) 1x8192     0.1569   0.1582   0.1675    0.2427    |            -    0.1696
+
+On (8, 32) 1x2048 the library goes from 0.90x FlashQLA's speed to 1.03x, on (4, 16) 1x2048 from
+0.90x to 0.99x, on (2, 8) 1x8192 from 0.98x to 1.06x. (8, 24) 1x2048 stays behind (0.92-0.94x):
+one head a CTA saves 2 us of solve there (19.8 against 21.6 us) and the forward is level
+(``results/solve_in_forward.csv``); its gap is in the fused kernel and the chunk table, not the
+solve. On every other problem of the benchmark s11 groups as s10 did, so s28 runs s27's launches.
+GPU tests (commit 349a8ed): the public shapes (24), AutoCP's tests of this stage (7), the library
+bit for bit against it and its AutoCP check against float64 (``test_promoted``, 13).
 
 Taught in: notebooks/05_autocp.py (section 15), notebooks/04_reformulation.py (the solve)
 """
