@@ -2025,8 +2025,43 @@ assert solve10.heads_per_cta(2, 8, 32, 132) == 2 and solve10.heads_per_cta(8, 32
 
 # %% [markdown]
 # Below one CTA an SM two heads a CTA take 0.61-0.77x s09's time; from 256 CTAs on, four heads a
-# CTA are as fast or faster, and one head a CTA never wins. The library runs s10 through
-# `gdn_fwd.s26` (notebook 05).
+# CTA are as fast or faster, and one head a CTA never wins. `gdn_fwd.s26` ran s10 (notebook 05).
+#
+# Alone is not where the solve runs. Inside the forward it runs once, between the cumsum and the
+# fused kernel, and its time is one launch's latency, not the throughput of 50 launches in a row.
+# `profiles/prologue_lab.py forward` times it there, at every grouping, from a CUDA-graph replay of
+# the library's forward with the grouping forced (torch.profiler's kernel times):
+
+# %%
+with open(bench.RESULTS / "solve_in_forward.csv", newline="") as f:
+    in_forward = list(csv.DictReader(f))
+solve11 = load("gate_free_solve", 11)
+print(f"{'problem':18s} {'grouping':>22s} {'CTAs':>5s} {'solve us':>9s} {'forward us':>11s}  chosen by")
+for r in in_forward:
+    H, HV, lengths = bench.heads_and_lengths(r["problem"])
+    R = int(r["kernel"].split("/")[1])
+    chunks = -(-sum(lengths) // 64)
+    who = [n for n, m in (("s10", solve10), ("s11", solve11)) if m.heads_per_cta(H, HV, chunks, 132) == R]
+    print(f"{r['problem']:18s} {r['kernel']:>22s} {r['ctas']:>5s} {r['us']:>9s} {r['forward_us']:>11s}  {' '.join(who)}")
+t_in = {(r["problem"], r["kernel"]): float(r["us"]) for r in in_forward}
+assert t_in["(8, 32) 1x2048", "gate_free_solve.s08/2"] < 0.7 * t_in["(8, 32) 1x2048", "gate_free_solve.s06/4"]
+
+# %% [markdown]
+# Four heads a CTA on 264 CTAs (two of the four an SM can hold) walk their heads in turn on the
+# CUDA cores: 24.3 us on (8, 32) 1 x 2048 where two heads a CTA on s08's kernel take 15.9, though
+# alone the two were level. `gate_free_solve.s11` keeps s06's three or four heads a CTA only where
+# they leave three CTAs an SM, and otherwise runs s08's kernel at two heads (one where two do not
+# divide the group); on all 16 problems its choice is within 5 % of the fastest grouping in the
+# forward, where s10's is up to 1.60x it (`tests/test_bench.py`):
+
+# %%
+print(inspect.getsource(solve11.heads_per_cta))
+assert solve11.heads_per_cta(8, 32, 32, 132) == 2 and solve11.heads_per_cta(8, 24, 32, 132) == 1
+assert solve11.heads_per_cta(16, 64, 32, 132) == 4
+
+# %% [markdown]
+# The library runs s11 through `gdn_fwd.s28` (notebook 05): 1.03x FlashQLA's speed on (8, 32)
+# 1 x 2048, where it was 0.90x.
 
 # %% [markdown]
 #
