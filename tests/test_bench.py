@@ -144,3 +144,25 @@ def test_prologue_lab_reports_the_committed_csv():
     out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "prologue_lab.py"), "report",
                           str(bench.RESULTS / "prologue.csv")], capture_output=True, text=True, check=True).stdout
     assert out.count("\n") == 16 and "(2, 8) 1x2048" in out and "solve s08/2   6.2" in out
+
+
+def test_timeline_lab_reports_the_committed_csv():
+    """``results/timeline.csv`` (profiles/timeline_lab.py) prints as 24 timelines, and holds what
+    gdn_fwd.s27's and s28's docstrings quote: on (8, 32) 1x2048 the API's fused kernel level with
+    FlashQLA's and its solve (four heads a CTA) 6-7 us slower."""
+    import csv
+    import subprocess
+
+    path = bench.RESULTS / "timeline.csv"
+    out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "timeline_lab.py"), "report", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("== ") == 24
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["problem"] == "(8, 32) 1x2048"]
+
+    def us(impl, part):
+        (hit,) = [float(r["us"]) for r in rows if r["impl"] == impl and part in r["kernel"]]
+        return hit
+
+    assert us("API", "solve") == 24.3 and us("FlashQLA", "solve") == 17.6
+    assert abs(us("API", "fused") - us("FlashQLA", "fused")) < 2

@@ -36,7 +36,8 @@ chunk table), so s27 / API is what PDL changes:
     (16, 48) 1x8192    0.3873   0.3846   1.01    0.3875   0.3812    0.7654
 
 0.94-1.01x the API's time, 3-6 us off most short problems. A kernel timeline of one replay
-(torch.profiler, same commit) shows why it is not more: without PDL the gaps between kernels are
+(``profiles/timeline_lab.py``, ``results/timeline.csv``; one H100, commit ab90d41) shows why it is
+not more: without PDL the gaps between kernels are
 already 0.3-0.5 us in a graph; what PDL hides is the launch's ramp (the next kernel's CTAs are
 resident when the wait releases). The chunk table kernel (3.5-3.8 us, one CTA) and the solve stay
 on the path: on (8, 32) 1x2048 the solve takes 24 us at four heads a CTA where FlashQLA's takes 18

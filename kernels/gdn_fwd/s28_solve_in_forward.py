@@ -5,7 +5,8 @@ four heads a CTA only where they leave three CTAs an SM; else s08's kernel at tw
 in place of s10. The kernels, their order and PDL are s27's; on a problem where s10 and s11 group
 alike the two stages run the same launches.
 
-Why: a kernel timeline of one forward in a CUDA graph (one H100, commit ab90d41) put the gap to
+Why: a kernel timeline of one forward in a CUDA graph (``profiles/timeline_lab.py``,
+``results/timeline.csv``; one H100, commit ab90d41) put the gap to
 FlashQLA on (8, 32) 1x2048 in the solve: 24.3 us at four heads a CTA (264 CTAs, two an SM) against
 FlashQLA's 17.6, with the fused kernels level (61.5 and 62.7 us). Timing the solve inside the
 forward at every grouping (``results/solve_in_forward.csv``) gave s11's rule: 15.9 us at two heads
