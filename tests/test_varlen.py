@@ -87,6 +87,30 @@ def test_table_kernel_matches_the_torch_table(lengths):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, T)
 
 
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("lengths", cases_for_the_kernel() + [None],
+                         ids=lambda ls: "batch 3 x 100" if ls is None else f"{len(ls)} seqs, {sum(ls)} tokens")
+def test_cumsum_s03_builds_the_torch_table_and_s02s_cumsum(lengths):
+    """chunk_local_cumsum.s03 writes the chunk table and first_chunk that ``varlen``'s PyTorch ops
+    build, and g_cum bit for bit s02's."""
+    from flashqla.stages import load
+
+    s02, s03 = load("chunk_local_cumsum", 2), load("chunk_local_cumsum", 3)
+    B, T, cu = 3, 100, None
+    if lengths is not None:
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        B, T, cu = 1, bounds[-1], torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, 8, device="cuda"))
+    g_cum, table, first = s03.cumsum_and_table(g, cu)
+    want_table, want_first = varlen._build_chunk_table_torch(cu, B, T, 64, g.device)
+    assert torch.equal(table, want_table) and torch.equal(first, want_first), lengths
+    if B * T:
+        assert torch.equal(g_cum.view(B, T, 8), s02.run(g, cu)), lengths
+
+
 def test_host_bounds_reads_each_tensor_version_once(monkeypatch):
     """host_bounds keeps the values of a (tensor, version): a second call copies nothing; an
     in-place edit is read again."""
