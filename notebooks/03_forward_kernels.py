@@ -321,6 +321,22 @@ if cumsum1 and cumsum2:
 # Measured (one H100, each kernel alone as 50 launches in one CUDA graph): s02 takes 1.6-2.5 us
 # where s01 takes 4.0-7.3 on the 1 x 2048 and 1 x 8192 problems of every head layout, about 2.5-5
 # us off every forward. The library runs s02 from `gdn_fwd.s26` on (notebook 05).
+#
+# Every cumsum so far reads the chunk table, which another kernel built (inside a CUDA graph: one
+# CTA, 3.3-3.8 us before the cumsum on every replay). `chunk_local_cumsum.s03` takes the sequence
+# bounds instead: each CTA counts every sequence's chunks, prefix-sums the counts over its threads,
+# finds its own chunk, and writes its row of the table for the kernels after it (CTA 0 also each
+# sequence's first row); its scan is s02's. Not yet run on a GPU. Its prologue, in the generated
+# CUDA: the Hillis-Steele steps (two barriers each) before the scan's one:
+
+# %%
+cumsum3 = stage_module("chunk_local_cumsum", 3)
+if cumsum3:
+    body3 = cumsum3.kernel_source().split("__global__")[-1]
+    print("barriers:", body3.count("__syncthreads()"), "(s02:",
+          cumsum2.kernel_source().split("__global__")[-1].count("__syncthreads()"), ")")
+    print(body3[body3.index("first_chunk[") - 400:body3.index("first_chunk[") + 200])
+    assert "table[" in body3 and body3.count("__syncthreads()") > 2 * 8
 
 # %% [markdown]
 # ### Napkin math: one chunk, kernel by kernel

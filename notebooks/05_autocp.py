@@ -899,3 +899,23 @@ assert t28["(8, 32) 1x2048", API_ROW] < t28["(8, 32) 1x2048", "FlashQLA"] < t27[
 # 1 x 8192 to 1.06x. (8, 24) 1 x 2048 stays at 0.92x: there one head a CTA saves 2 us of solve and
 # the forward is level, so its gap is elsewhere (the chunk table's launch, 3.5-3.8 us in a graph,
 # and the fused kernel).
+
+# %% [markdown]
+# ## 17. One launch fewer: `gdn_fwd.s29`
+#
+# In a CUDA graph s28's forward still starts with the chunk table's own kernel (one CTA, 3.3-3.8 us,
+# `results/timeline.csv`), which the cumsum then waits for. s29 starts with
+# `chunk_local_cumsum.s03` (notebook 03), which builds the table from the sequence bounds as a
+# prologue of each CTA and writes it for the solve, AutoCP's kernels and the fused kernel; no
+# forward builds or caches a table apart from it. Everything after the cumsum is s28's:
+
+# %%
+s29 = load("gdn_fwd", 29)
+src29 = inspect.getsource(s29.forward)
+print(src29[src29.index("    chunks = torch.empty"):src29.index("    widths, fused")])
+assert "_cumsum(HV)(g, seqs" in src29 and "chunk_table(" not in src29 and ".chunk_rows(" not in src29
+
+# %% [markdown]
+# Not yet run on a GPU: its tests (the public shapes, AutoCP's, and bit for bit against s28, also
+# from a CUDA graph holding two forwards) and its benchmark rows against the API are the next GPU
+# call's work.

@@ -428,17 +428,17 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28],
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28"])
+                     "s27", "s28", "s29"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
     s20's with phase 2 in one kernel, s22 s21's on gate_free_solve.s09, s23 s22's with phase 1 on
     the state/value split, s24 s23's with phase 2 reading M only where needed, s26 s24's with
     the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
-    dependents, s28 s27's with gate_free_solve.s11's grouping), with its kernels (and those of the
-    chain it runs) compiled on threads first."""
+    dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
+    the cumsum), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -825,4 +825,36 @@ def test_s27_dependent_launches_give_s26s_bits(problem, cp):
     graph.replay()
     torch.cuda.synchronize()
     for got, want in ((first, s26.forward(**x, cp=cp)), (second, s26.forward(**y, cp=cp))):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (2000,)), None),                                 # unsplit
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, split
+    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128
+    (Problem(4, 16, (333, 333), varlen=False), 2),                  # a batch: no cu_seqlens
+], ids=["short", "varlen-L4", "wide", "batch-L2"])
+def test_s29_table_from_the_cumsum_gives_s28s_bits(problem, cp):
+    """gdn_fwd.s29 builds the chunk table in its cumsum (chunk_local_cumsum.s03) where s28 took it
+    from varlen: the same bits, eagerly and from a CUDA graph holding two forwards, replayed on new
+    inputs."""
+    from flashqla.stages import load
+
+    s28, s29 = load("gdn_fwd", 28), load("gdn_fwd", 29)
+    x = problem.inputs("cuda", seed=5)
+    y = {**x, "v": -x["v"], "q": x["k"]}
+    want_x, want_y = s28.forward(**x, cp=cp), s28.forward(**y, cp=cp)
+    for got, want in ((s29.forward(**x, cp=cp), want_x), (s29.forward(**y, cp=cp), want_y)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first, second = s29.forward(**x, cp=cp), s29.forward(**y, cp=cp)
+    x["v"].mul_(-1)                                                 # new inputs, same tensors
+    y["v"].mul_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in ((first, s28.forward(**x, cp=cp)), (second, s28.forward(**y, cp=cp))):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
