@@ -25,7 +25,7 @@ the cumsum and the fused kernel, and its time is one launch's latency. So
 times the solve there: for the same problems and every grouping R, the library's forward
 (``flashqla.chunk_gated_delta_rule``) with ``flashqla.fwd.solve_heads`` forced to R (s08's kernel
 at R <= 2, s06's above, as the library runs them), captured in a CUDA graph, 20 replays under
-torch.profiler; ``us`` is the solve kernel's device time a replay, ``forward_us`` the replay's
+torch.profiler (``timeline_lab.py``'s method); ``us`` is the solve kernel's device time a replay, ``forward_us`` the replay's
 span from its first kernel's start to its last one's end. On any machine,
 
     python3 profiles/prologue_lab.py report IN.csv
@@ -126,49 +126,19 @@ def measure(out: Path, commit: str) -> int:
     return 0
 
 
-FORWARD_REPLAYS = 20
-FORWARD_METHOD = (f"the library's forward in one CUDA graph, solve_heads forced; kernel device time "
-                  f"and span under torch.profiler, mean of {FORWARD_REPLAYS} replays")
+FORWARD_METHOD = ("the library's forward in one CUDA graph, solve_heads forced; kernel device time "
+                  "and span under torch.profiler, mean of 20 replays (timeline_lab.timeline)")
 
 
 def forward_times(x) -> tuple[float, float]:
-    """(the solve kernel's us, the forward's span in us) a replay of the library's forward."""
-    import json
-    import tempfile
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """(the solve kernel's us, the forward's span in us) a replay of the library's forward
+    (``timeline_lab.timeline``)."""
+    from timeline_lab import timeline  # beside this file: python3 puts profiles/ on the path
 
     from flashqla.api import chunk_gated_delta_rule
 
-    for _ in range(3):
-        chunk_gated_delta_rule(**x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chunk_gated_delta_rule(**x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chunk_gated_delta_rule(**x)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(FORWARD_REPLAYS):
-            graph.replay()
-            torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"]
-                  if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    events.sort(key=lambda e: e["ts"])
-    n = len(events) // FORWARD_REPLAYS
-    assert n * FORWARD_REPLAYS == len(events), f"{len(events)} kernels in {FORWARD_REPLAYS} replays"
-    solve = sum(e["dur"] for e in events if "gate_free_solve" in e["name"]) / FORWARD_REPLAYS
-    span = sum(events[r * n + n - 1]["ts"] + events[r * n + n - 1]["dur"] - events[r * n]["ts"]
-               for r in range(FORWARD_REPLAYS)) / FORWARD_REPLAYS
-    return solve, span
+    rows = timeline(lambda inputs: chunk_gated_delta_rule(**inputs), x)
+    return sum(r["us"] for r in rows if "gate_free_solve" in r["kernel"]), rows[0]["span_us"]
 
 
 def measure_forward(out: Path, commit: str) -> int:
