@@ -22,7 +22,7 @@ kernels without PDL) from the run at c45772f on the same card:
     (8, 24) 1x2048    0.0872   0.0885   0.0818    0.1237    |         0.0882  0.0941
     (2, 8) 1x8192     0.1569   0.1582   0.1675    0.2427    |            -    0.1696
 
-On (8, 32) 1x2048 the library goes from 0.90x FlashQLA's speed to 1.03x, on (4, 16) 1x2048 from
+On (8, 32) 1x2048 the library goes from 0.91x FlashQLA's speed to 1.03x, on (4, 16) 1x2048 from
 0.90x to 0.99x, on (2, 8) 1x8192 from 0.98x to 1.06x. (8, 24) 1x2048 stays behind (0.92-0.94x):
 one head a CTA saves 2 us of solve there (19.8 against 21.6 us) and the forward is level
 (``results/solve_in_forward.csv``); its gap is in the fused kernel and the chunk table, not the
