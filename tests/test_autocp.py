@@ -806,16 +806,21 @@ def test_s27_dependent_launches_give_s26s_bits(problem, cp):
     back to back (the second's kernels waiting on the first's), replayed on new inputs."""
     from flashqla.stages import load
 
-    s26, s27 = load("gdn_fwd", 26), load("gdn_fwd", 27)
-    x = problem.inputs("cuda", seed=3)
+    assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 27), load("gdn_fwd", 26), problem, cp, seed=3)
+
+
+def assert_same_bits_eager_and_in_a_graph(stage, before, problem, cp, seed):
+    """``stage.forward`` gives ``before.forward``'s bits on two input sets: eagerly, from a CUDA graph
+    holding both forwards back to back, and from that graph replayed on new inputs."""
+    x = problem.inputs("cuda", seed=seed)
     y = {**x, "v": -x["v"], "q": x["k"]}
-    want_x, want_y = s26.forward(**x, cp=cp), s26.forward(**y, cp=cp)
-    for got, want in ((s27.forward(**x, cp=cp), want_x), (s27.forward(**y, cp=cp), want_y)):
+    want_x, want_y = before.forward(**x, cp=cp), before.forward(**y, cp=cp)
+    for got, want in ((stage.forward(**x, cp=cp), want_x), (stage.forward(**y, cp=cp), want_y)):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        first, second = s27.forward(**x, cp=cp), s27.forward(**y, cp=cp)
+        first, second = stage.forward(**x, cp=cp), stage.forward(**y, cp=cp)
     graph.replay()
     torch.cuda.synchronize()
     for got, want in ((first, want_x), (second, want_y)):
@@ -824,7 +829,7 @@ def test_s27_dependent_launches_give_s26s_bits(problem, cp):
     y["v"].mul_(-1)
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in ((first, s26.forward(**x, cp=cp)), (second, s26.forward(**y, cp=cp))):
+    for got, want in ((first, before.forward(**x, cp=cp)), (second, before.forward(**y, cp=cp))):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -842,19 +847,4 @@ def test_s29_table_from_the_cumsum_gives_s28s_bits(problem, cp):
     inputs."""
     from flashqla.stages import load
 
-    s28, s29 = load("gdn_fwd", 28), load("gdn_fwd", 29)
-    x = problem.inputs("cuda", seed=5)
-    y = {**x, "v": -x["v"], "q": x["k"]}
-    want_x, want_y = s28.forward(**x, cp=cp), s28.forward(**y, cp=cp)
-    for got, want in ((s29.forward(**x, cp=cp), want_x), (s29.forward(**y, cp=cp), want_y)):
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        first, second = s29.forward(**x, cp=cp), s29.forward(**y, cp=cp)
-    x["v"].mul_(-1)                                                 # new inputs, same tensors
-    y["v"].mul_(-1)
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in ((first, s28.forward(**x, cp=cp)), (second, s28.forward(**y, cp=cp))):
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 29), load("gdn_fwd", 28), problem, cp, seed=5)

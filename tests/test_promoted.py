@@ -75,6 +75,15 @@ S27_KERNEL = {("chunk_local_cumsum", 2): "cumsum", ("gate_free_solve", 6): "solv
               ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow", ("gdn_fwd", 16): "fused"}
 
 
+def record_compiles(monkeypatch) -> list:
+    """tilelang.compile replaced by a recorder of (program, options): nothing is compiled."""
+    import tilelang
+
+    calls = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    return calls
+
+
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
 def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_builder, shape,
                                                          monkeypatch):
@@ -83,10 +92,7 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
     compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s27
     compiles it (a programmatic dependent). tilelang.compile is replaced by a recorder: nothing is
     compiled."""
-    import tilelang
-
-    calls = []
-    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    calls = record_compiles(monkeypatch)
     sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
     module = load(*stage)
     if builder.__module__ == fwd.__name__:
@@ -103,12 +109,9 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
 def test_chunk_table_in_a_capture_is_s27s(monkeypatch):
     """Inside a CUDA-graph capture the library builds the chunk table with the kernel gdn_fwd.s27
     builds it with (varlen's, as a programmatic dependent), compiled the same way."""
-    import tilelang
-
     from flashqla import varlen
 
-    calls = []
-    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    calls = record_compiles(monkeypatch)
     fwd._compiled.__wrapped__(varlen._table_kernel, fwd.CHUNK_SIZE)
     load("gdn_fwd", 27)._compiled.__wrapped__("table", fwd.CHUNK_SIZE)
     (library_program, library), (staged_program, staged) = calls
@@ -118,10 +121,7 @@ def test_chunk_table_in_a_capture_is_s27s(monkeypatch):
 
 def test_promoted_compile_check_catches_a_missing_dependent_launch(monkeypatch):
     """The compile check above fails for a forward kernel compiled without PDL (as s26 did)."""
-    import tilelang
-
-    calls = []
-    monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
+    calls = record_compiles(monkeypatch)
     monkeypatch.setattr(fwd, "dependent_launch", lambda func: func)
     fwd._compiled.__wrapped__(fwd.chain_kernel, 32)
     load("gdn_fwd", 27)._compiled.__wrapped__("chain", 32)
