@@ -3,13 +3,14 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s28's
-pipeline: s27's (s26's kernels, each compiled as a programmatic dependent: ``griddepcontrol.wait``
-and ``launch_dependents`` first, launched with programmatic stream serialization, so a kernel's
-CTAs are resident when its predecessor ends) with gate_free_solve.s11's grouping of the solve.
-s26's kernels are s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s29's
+pipeline: s28's, whose first kernel (chunk_local_cumsum.s03) also writes the chunk table, so no
+forward builds or caches a table apart from it. s28's is s27's (s26's kernels, each compiled as a
+programmatic dependent: ``griddepcontrol.wait`` and ``launch_dependents`` first, launched with
+programmatic stream serialization, so a kernel's CTAs are resident when its predecessor ends) with
+gate_free_solve.s11's grouping of the solve. s26's kernels are s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase
 1 on a state and a value warpgroup, and s24's phase 2, M read only for heads with an exact slot,
-states written by segment row) with chunk_local_cumsum.s02, the solve (s08's tensor-core half with
+states written by segment row) with the cumsum, the solve (s08's tensor-core half with
 one or two value heads a CTA, s06's blocked solve with three or four, the latter only where they
 leave three CTAs an SM: s11) and s25's rule (every length of a ladder, priced by phase 3's waves),
 and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule): s12's
@@ -18,9 +19,15 @@ s16's (the chain split over a state and a value warpgroup, s14, with O stored by
 128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags).
 Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
 
-    chunk_local_cumsum.s02   g                       -> g_cum     one CTA per chunk, eight threads a
-                                                                  head: 1.6-2.5 us where s01 took
-                                                                  4.0-7.3 (one H100, 677241e)
+    chunk_local_cumsum.s03   g, seqs                 -> g_cum, chunks, first_chunk: one CTA per
+                                                                  chunk, eight threads a head (s02:
+                                                                  1.6-2.5 us where s01 took 4.0-7.3,
+                                                                  one H100, 677241e); each CTA finds
+                                                                  its chunk from the sequence bounds
+                                                                  and writes its table row (s03: in
+                                                                  a graph 2.0-2.9 us where the table
+                                                                  kernel and s02 took 7.3-8.1, one
+                                                                  H100, 4c2e89f)
     gate_free_solve.s11      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
@@ -87,7 +94,8 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                        (2, 8) and (8, 24); 4 x H100, 51893cc,
                                                        kernel_width.csv)
 
-``forward`` builds the varlen maps (``flashqla.varlen``) and AutoCP's plan (``flashqla.autocp``:
+``forward`` takes the sequence bounds (``flashqla.varlen.seq_bounds``; the chunk table comes from
+the cumsum) and AutoCP's plan (``flashqla.autocp``:
 the decision from the lengths, ``segment_chunks``; the segment table built on the host and kept,
 ``autocp.host_plan``), with no host synchronization beyond the one read of ``cu_seqlens`` per
 tensor that the API's validation makes (``flashqla.varlen.host_bounds``), which also gives the
@@ -107,7 +115,7 @@ import torch
 from flashqla import autocp
 from flashqla.hopper import compile_hopper, dependent_launch
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import _table_kernel, capturing, chunk_table, host_bounds, num_chunk_rows, seq_bounds
+from flashqla.varlen import host_bounds, num_chunk_rows, seq_bounds
 
 CHUNK_SIZE = 64       # C: tokens per chunk, one 64-row wgmma tile
 HEAD_DIM = 128        # K = V: the only head dims the kernels take
@@ -181,34 +189,79 @@ STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, 
         WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
 
 
-# ---- promoted from kernels/chunk_local_cumsum/s02_segmented_scan.py
+# ---- promoted from kernels/chunk_local_cumsum/s03_table_in_the_scan.py
 def chunk_local_cumsum_kernel(HV: int):
-    """The T.prim_func for HV value heads; any token or chunk count."""
+    """The T.prim_func for HV value heads; any token, sequence or row count."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     BT, P = CHUNK_SIZE, CUMSUM_SEGMENTS
     L = BT // P                                # tokens a segment
     threads = 32 * -(-(HV * P) // 32)          # whole warps
     num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
+    num_bounds = T.dynamic("num_bounds")
+    num_rows = T.dynamic("num_rows")
 
     @T.prim_func
-    def chunk_local_cumsum_fwd(
+    def chunk_local_cumsum_table(
         g: T.Tensor((num_tokens, HV), "float32"),              # [B*T, HV], sequences packed
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
+        bounds: T.Tensor((num_bounds,), "int32"),              # [N + 1]: where each sequence starts
         g_cum: T.Tensor((num_tokens, HV), "float32"),
+        table: T.Tensor((num_rows, 2), "int32"),               # out: [start, end) of every chunk
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # out: each sequence's first row
     ):
-        with T.Kernel(num_chunks, threads=threads) as i_c:
+        with T.Kernel(num_rows, threads=threads) as i_c:
             tid = T.get_thread_binding()
             h = tid % HV                                       # this thread's value head
             j = tid // HV                                      # its segment; >= P on padding threads
-            bos = chunk_bounds[i_c, 0]
-            n = chunk_bounds[i_c, 1] - bos                     # chunk length, 0..64
+            n_seqs = num_bounds - 1
+            per = T.ceildiv(n_seqs, threads)                   # sequences [tid per, (tid + 1) per) are tid's
+            scan_s = T.alloc_shared((threads,), "int32")
+            row_s = T.alloc_shared((2,), "int32")              # this CTA's chunk: [start, end)
+            mine = T.alloc_local((1,), "int32")
+            step = T.alloc_local((1,), "int32")
             x = T.alloc_local((L,), "float32")
             totals = T.alloc_shared((HV * P,), "float32")      # t_j,h at h P + j
             t = T.alloc_local((P,), "float32")                 # t_0,h .. t_{P-1},h
             off = T.alloc_var("float32")
-            # x_r <- g[bos + j L + r, h], zero past the chunk's end
+            # row_s <- [T, T): a row past the real chunks, unless a thread finds it below
+            if tid == 0:
+                row_s[0] = num_tokens
+                row_s[1] = num_tokens
+            # mine <- the chunks of this thread's sequences, ceil(length / C) each
+            mine[0] = 0
+            for i in T.serial(per):
+                if tid * per + i < n_seqs:
+                    mine[0] = mine[0] + T.ceildiv(bounds[tid * per + i + 1] - bounds[tid * per + i], BT)
+            # scan_s <- inclusive prefix sums of mine over the threads (Hillis-Steele)
+            scan_s[tid] = mine[0]
+            for d in [1 << e for e in range((threads - 1).bit_length())]:  # a Python loop: unrolled
+                T.sync_threads()
+                step[0] = scan_s[tid] + T.if_then_else(tid >= d, scan_s[T.max(tid - d, 0)], 0)
+                T.sync_threads()
+                scan_s[tid] = step[0]
+            T.sync_threads()
+            # walk this thread's sequences from the chunks before them: CTA 0 writes first_chunk;
+            # the sequence holding row i_c gives row_s its chunk, clipped to the sequence's end
+            mine[0] = scan_s[tid] - mine[0]
+            for i in T.serial(per):
+                if tid * per + i < n_seqs:
+                    step[0] = T.ceildiv(bounds[tid * per + i + 1] - bounds[tid * per + i], BT)
+                    if i_c == 0:
+                        first_chunk[tid * per + i] = mine[0]
+                    if mine[0] <= i_c and i_c < mine[0] + step[0]:
+                        row_s[0] = bounds[tid * per + i] + (i_c - mine[0]) * BT
+                        row_s[1] = T.min(bounds[tid * per + i] + (i_c - mine[0] + 1) * BT,
+                                         bounds[tid * per + i + 1])
+                    mine[0] = mine[0] + step[0]
+            if i_c == 0 and tid == threads - 1:
+                first_chunk[n_seqs] = scan_s[threads - 1]
+            T.sync_threads()
+            bos = row_s[0]
+            n = row_s[1] - bos                                 # chunk length, 0..64
+            if tid == 0:
+                table[i_c, 0] = bos
+                table[i_c, 1] = row_s[1]
+            # from here s02's scan: x_r <- g[bos + j L + r, h], zero past the chunk's end
             for r in T.unroll(L):
                 x[r] = 0.0
                 if j * L + r < n:
@@ -219,9 +272,7 @@ def chunk_local_cumsum_kernel(HV: int):
             if tid < P * HV:
                 totals[h * P + j] = x[L - 1]
             T.sync_threads()
-            # off = t_0,h + ... + t_{j-1},h: what the chunk's earlier segments add up to. Head h's
-            # P totals are contiguous: two 16-byte loads, where one 4-byte load per total (each
-            # under its guard jj < j) had ptxas wait out seven shared-memory latencies in turn.
+            # off = t_0,h + ... + t_{j-1},h: what the chunk's earlier segments add up to
             for jj in T.vectorized(P):
                 t[jj] = totals[h * P + jj]
             off = 0.0
@@ -232,7 +283,7 @@ def chunk_local_cumsum_kernel(HV: int):
                 if j * L + r < n:
                     g_cum[bos + j * L + r, h] = off + x[r]
 
-    return chunk_local_cumsum_fwd
+    return chunk_local_cumsum_table
 
 
 # ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py; its A entries and phases A and B
@@ -1426,7 +1477,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
 # ex2.approx, no branch)
 PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
                 for builder in (fused_reform_kernel, fused_state_value_kernel, warmup_kernel)}
-# the cumsum: no bounds checks on g (the chunk table keeps its row guard's accesses in range)
+# the cumsum: no bounds checks (its row guard keeps g's accesses in range, its sequence guard the bounds')
 PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": True}
 
 
@@ -1435,21 +1486,6 @@ def _compiled(builder, *shape):
     """``builder(*shape)`` as a programmatic dependent (gdn_fwd.s27): it waits on the kernel before
     it inside, and lets the one after it be scheduled at once."""
     return compile_hopper(dependent_launch(builder(*shape)), PASS_CONFIGS.get(builder))
-
-
-def chunk_rows(cu_seqlens, B: int, T: int, device):
-    """``flashqla.varlen.chunk_table``; inside a CUDA-graph capture (where that builds the table
-    anew on every replay) built by its kernel as a programmatic dependent, like the others."""
-    build = _compiled(_table_kernel, CHUNK_SIZE)  # compiled on the first (eager) call, never in a capture
-    if not capturing(device):
-        return chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
-    bounds = seq_bounds(cu_seqlens, B, T, device)
-    table = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
-    first_chunk = torch.empty(bounds.shape[0], dtype=torch.int32, device=device)
-    with nvtx_range("fwd.chunk_table"):
-        # table, first_chunk <- [start, end) of every chunk, each sequence's first chunk row
-        build(bounds, B * T, table, first_chunk)
-    return table, first_chunk
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
@@ -1473,12 +1509,14 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if B * T == 0:
         return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
 
-    chunks, first_chunk = chunk_rows(cu_seqlens, B, T, device)
+    chunks = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
+    first_chunk = torch.empty(N + 1, dtype=torch.int32, device=device)
     g_cum = torch.empty(B * T, HV, **fp32)
     ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     with nvtx_range("fwd.chunk_local_cumsum"):
-        _compiled(chunk_local_cumsum_kernel, HV)(g, chunks, g_cum)
+        # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
+        _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
     sms = autocp.num_sms(device)
     with nvtx_range("fwd.gate_free_solve"):
         R = solve_heads(H, HV, chunks.shape[0], sms)

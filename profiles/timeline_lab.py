@@ -120,10 +120,10 @@ def measure(out: Path, commit: str, impls: list[str]) -> int:
         for name, fn in fns.items():
             rows += [dict(problem=p.label, impl=name, **r, **meta) for r in timeline(fn, x)]
             print(report_block([r for r in rows if r["problem"] == p.label and r["impl"] == name]), flush=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        with open(out, "w", newline="") as f:  # after every problem: a run cut short keeps what it measured
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
     return 0
 
 

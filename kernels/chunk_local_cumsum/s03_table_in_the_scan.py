@@ -19,9 +19,11 @@ ab90d41), on the path of every kernel after it, where FlashQLA's forward starts 
 of the cumsum, whose CTAs each repeat it: N + 1 bounds loaded, about N / threads + 2 log2(threads)
 steps, for the short problems where it matters (N = 1) a few hundred cycles.
 
-Measured effect: not yet run on a GPU (written with the session's GPU time spent). Its tests: the
-public shapes against the float64 reference; g_cum bit for bit s02's and the table and first_chunk
-equal to ``varlen``'s PyTorch table (``tests/test_varlen.py``).
+Measured effect (one H100, commit 4c2e89f, inside gdn_fwd.s29's forward in a CUDA graph): 2.0 us
+on (2, 8) 1x2048, 2.4 on (4, 16), 2.9 on (8, 32), where the table kernel took 3.3-3.6 and s02
+4.0-4.6 after it; the forward's span is 2.4-2.7 us shorter. Its tests passed there: the public
+shapes against the float64 reference; g_cum bit for bit s02's and the table and first_chunk equal
+to ``varlen``'s PyTorch table (``tests/test_varlen.py``).
 
 Taught in: notebooks/03_forward_kernels.py
 """

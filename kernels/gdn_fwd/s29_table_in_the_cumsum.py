@@ -12,9 +12,14 @@ Why: in a graph the table kernel takes 3.3-3.8 us of every short forward (``resu
 timeline.csv``, one H100, commit ab90d41) and the cumsum waits for it; FlashQLA's graph starts
 with its cumsum. On the 1x2048 problems that is 4-5 % of the forward.
 
-Measured effect: not yet run on a GPU (written with the session's GPU time spent). Its tests: the
+Measured effect (one H100, commit 4c2e89f, where the API was s28): in a CUDA graph of one forward
+(``profiles/timeline_lab.py``) the span falls from 73.0 to 70.4 us on (2, 8) 1x2048, 74.9 to 72.2
+on (4, 16) and 82.8 to 80.4 on (8, 32): the cumsum with its table takes 2.0-2.9 us, where the
+table kernel took 3.3-3.6 and s02's cumsum 4.0-4.6 after it (overlapping by 2.6-2.9 under PDL). The
+benchmark (graph replay, ms): (2, 8) 1x2048 0.0724 against s28's 0.0748 (FlashQLA 0.0696, FLA
+0.0822); (4, 16) 1x2048 0.0784 against 0.0789 (FlashQLA 0.0759). Its tests passed there: the
 public shapes; AutoCP's tests of the stage; bit for bit against s28 (the same kernels after the
-cumsum, reading an equal table).
+cumsum, reading an equal table), eager and replayed from a CUDA graph. Promoted.
 
 Taught in: notebooks/05_autocp.py (section 17)
 """
