@@ -142,7 +142,7 @@ MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 register
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
 SOLVE_WAVE_CTAS_PER_SM = 3  # gate_free_solve.s11: CTAs an SM that three or four heads a CTA must leave
-CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02: threads a head, each scanning 64 / 8 tokens
+CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02's and s03's: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
 # ---- the fused kernel's warp roles, one warpgroup each (128 threads: the unit of wgmma and of
 # setmaxnreg), in thread order, as one if / elif chain (separate `with T.ws(i)` blocks deadlock)

@@ -2060,7 +2060,7 @@ assert solve11.heads_per_cta(8, 32, 32, 132) == 2 and solve11.heads_per_cta(8, 2
 assert solve11.heads_per_cta(16, 64, 32, 132) == 4
 
 # %% [markdown]
-# The library runs s11 through `gdn_fwd.s28` (notebook 05): 1.03x FlashQLA's speed on (8, 32)
+# The library runs s11 through `gdn_fwd.s28` and `s29` (notebook 05): 1.03x FlashQLA's speed on (8, 32)
 # 1 x 2048, where it was 0.90x.
 
 # %% [markdown]
