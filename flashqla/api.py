@@ -2,9 +2,9 @@
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
 TileLang kernels (``flashqla.fwd``, gdn_fwd.s29's: chunk-local cumsum, which also writes the chunk
-table, the gate-free solve, and the warp-specialized fused state chain + output kernel on the reformulated math, its width from the
-sequence lengths, with AutoCP's windows, warm-up and chaining kernels; each launched as a
-programmatic dependent of the one before) and so does the backward
+table, the gate-free solve, and the warp-specialized fused state chain + output kernel on the
+reformulated math, its width from the sequence lengths, with AutoCP's windows, warm-up and
+chaining kernels; each launched as a programmatic dependent of the one before) and so does the backward
 (``flashqla.bwd``, promoted from ``kernels/gdn_bwd``): autograd saves only the inputs, the backward
 recomputes the forward's intermediates, and gradients reach every input, ``initial_state``
 included. Neither direction synchronizes with the host, so a training step can be captured in a
