@@ -51,6 +51,29 @@ def dependent_launch(prim_func):
     return prim_func.with_body(body)
 
 
+def min_ctas_per_sm(prim_func, n: int):
+    """``prim_func`` with its kernel's ``T.annotate_min_blocks_per_sm`` set to ``n``: the same
+    program, emitted with ``__launch_bounds__(threads, n)``, so ptxas fits n CTAs an SM in the
+    register file (spilling if it must)."""
+    from tvm import tirx
+
+    if not (isinstance(n, int) and n > 0):
+        raise ValueError(f"min_ctas_per_sm: `n` must be a positive int; got {n!r}")
+    found = []
+
+    def reset(stmt):
+        if stmt.attr_key != "tl.min_blocks_per_sm":
+            return None
+        found.append(stmt)
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, tirx.IntImm(stmt.value.dtype, n), stmt.body)
+
+    body = tirx.stmt_functor.ir_transform(prim_func.body, None, reset, ["tirx.AttrStmt"])
+    if len(found) != 1:
+        raise ValueError(f"min_ctas_per_sm: `prim_func` must annotate its CTAs an SM once "
+                         f"(T.annotate_min_blocks_per_sm); got {len(found)}")
+    return prim_func.with_body(body)
+
+
 @functools.cache
 def hopper_gpu_missing() -> str | None:
     """None when an SM90 GPU is usable here, otherwise why not (for skip messages and the tour)."""

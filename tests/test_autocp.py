@@ -20,7 +20,7 @@ import torch
 
 from flashqla import autocp, bench
 from flashqla import reference as ref
-from flashqla.varlen import chunk_table
+from flashqla.varlen import chunk_table, num_chunk_rows
 from flashqla.testing import (ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, check_op,
                               rel_l2, run_on_threads)
 
@@ -428,9 +428,9 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29],
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29"])
+                     "s27", "s28", "s29", "s30"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -438,7 +438,7 @@ def stage(request):
     the state/value split, s24 s23's with phase 2 reading M only where needed, s26 s24's with
     the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
-    the cumsum), with its kernels (and those of the chain it runs) compiled on threads first."""
+    the cumsum, s30 s29's with gate_free_solve.s12's launch bounds), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -848,3 +848,23 @@ def test_s29_table_from_the_cumsum_gives_s28s_bits(problem, cp):
     from flashqla.stages import load
 
     assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 29), load("gdn_fwd", 28), problem, cp, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(8, 24, (2048,)), None),                                # the solve at six CTAs an SM
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # at four: s29's kernels
+], ids=["one-wave", "varlen-L4"])
+def test_s30_solve_in_one_wave_gives_s29s_bits(problem, cp):
+    """gdn_fwd.s30 runs s29's kernels with the solve at gate_free_solve.s12's launch bounds: the
+    same bits, eagerly and from a CUDA graph holding two forwards, replayed on new inputs."""
+    from flashqla.stages import load
+
+    s30 = load("gdn_fwd", 30)
+    x = problem.inputs("cpu")
+    B, T = x["q"].shape[:2]
+    rows = num_chunk_rows(x["cu_seqlens"], B, T, s30.CHUNK_SIZE)
+    ctas = s30.SOLVE.ctas_per_sm(problem.H, problem.HV, rows, autocp.num_sms("cuda"))
+    assert (ctas == s30.SOLVE.ONE_WAVE_CTAS_PER_SM) == (problem.HV == 24)
+    assert_same_bits_eager_and_in_a_graph(s30, load("gdn_fwd", 29), problem, cp, seed=6)

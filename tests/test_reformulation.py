@@ -10,6 +10,7 @@ and past that bound the gate-free inverse overflows float32 where the gated one 
 kernels must detect such chunks (gate_free_solve.s01 flags them and solves them with the gate).
 """
 
+import itertools
 import math
 import zlib
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from flashqla import reference as R
-from flashqla import stages
+from flashqla import autocp, stages
 from flashqla.testing import (ADVERSARIAL, Problem, adversarial_inputs, cast_floats, check_op,
                               near_duplicate_keys, rel_l2)
 from flashqla.varlen import chunk_table
@@ -159,3 +160,42 @@ def test_stage_on_adversarial_inputs(number, kind):
     gate_free_solve.s02's blocked inverse, whose flagged heads solve K K^T * Gamma."""
     inputs = adversarial_inputs(kind, seed=zlib.crc32(kind.encode()))
     check_op("gdn_fwd", stages.load("gdn_fwd", number).run, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("heads", [(4, 16), (8, 24)], ids=["two-heads-a-cta", "one-head-a-cta"])
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_six_ctas_an_sm_give_s08s_bits(heads, kind):
+    """gate_free_solve.s12 compiles s08's program with other launch bounds (six CTAs an SM: 80
+    registers a thread and a few spills): at s11's grouping, Ab and the flags are s08's bit for bit,
+    flagged chunks included."""
+    x = adversarial_inputs(kind, *heads)
+    k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
+    g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
+    s12 = stages.load("gate_free_solve", 12)
+    rows = chunk_table(cu, 1, k.shape[1], C, k.device)[0].shape[0]
+    R = s12.BY_FORWARD.heads_per_cta(*heads, rows, autocp.num_sms(k.device))
+    assert R <= s12.BY_FORWARD.BY_HEADS.TENSOR_CORE_MAX_HEADS  # s08's kernel
+    want = stages.load("gate_free_solve", 8).solve(k, beta, g_cum, cu, heads_per_cta=R)
+    got = s12.solve(k, beta, g_cum, cu, ctas=s12.ONE_WAVE_CTAS_PER_SM)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert kind != "unnormalized_keys" or 0 < int(got[1].sum()) < got[1].numel()
+
+
+def test_six_ctas_an_sm_only_where_they_make_one_wave():
+    """gate_free_solve.s12's rule on the benchmark's 40 problems (132 SMs, the chunk table's rows
+    as the forward counts them): six CTAs an SM only on (8, 24) 1x2048, where s08's 792 CTAs are
+    1.5 waves at four an SM and one at six."""
+    from flashqla.bench import PROBLEMS
+    from flashqla.varlen import num_chunk_rows
+
+    s12 = stages.load("gate_free_solve", 12)
+    six = set()
+    for p in PROBLEMS:
+        T = sum(p.lengths) if p.varlen else p.lengths[0]
+        cu = torch.tensor([0, *itertools.accumulate(p.lengths)]) if p.varlen else None
+        rows = num_chunk_rows(cu, 1 if p.varlen else len(p.lengths), T, C)
+        if s12.ctas_per_sm(p.H, p.HV, rows, 132) == s12.ONE_WAVE_CTAS_PER_SM:
+            six.add(p.label)
+    assert six == {"(8, 24) 1x2048"}

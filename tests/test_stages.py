@@ -185,3 +185,28 @@ def test_dependent_launch_needs_one_kernel():
 
     with pytest.raises(ValueError, match="`prim_func` must have one kernel"):
         dependent_launch(two_kernels)
+
+
+def test_min_ctas_per_sm_needs_one_annotation_and_a_positive_count():
+    """flashqla.hopper.min_ctas_per_sm rewrites the one ``T.annotate_min_blocks_per_sm`` of a kernel
+    and refuses a kernel without one, or a count that is not a positive int, naming the argument."""
+    import tilelang.language as T
+
+    from flashqla.hopper import min_ctas_per_sm
+
+    @T.prim_func
+    def unannotated(x: T.Tensor((128,), "float32")):
+        with T.Kernel(1, threads=128) as _:
+            x[T.get_thread_binding()] = 1.0
+
+    @T.prim_func
+    def annotated(x: T.Tensor((128,), "float32")):
+        with T.Kernel(1, threads=128) as _:
+            T.annotate_min_blocks_per_sm(4)
+            x[T.get_thread_binding()] = 1.0
+
+    assert '"tl.min_blocks_per_sm", 6' in min_ctas_per_sm(annotated, 6).script()
+    with pytest.raises(ValueError, match="`prim_func` must annotate its CTAs an SM once"):
+        min_ctas_per_sm(unannotated, 6)
+    with pytest.raises(ValueError, match="`n` must be a positive int"):
+        min_ctas_per_sm(annotated, 0)
