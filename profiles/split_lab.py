@@ -36,7 +36,9 @@ PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
     Problem(8, 24, (28672, 4096)),
     # where s23's rule splits and no earlier rule did
     Problem(8, 32, (8192,)), Problem(16, 32, (8192,)), Problem(8, 24, (8192,)),
-    Problem(8, 32, (28672, 4096)), Problem(16, 32, (28672, 4096))]
+    Problem(8, 32, (28672, 4096)), Problem(16, 32, (28672, 4096)),
+    # no rule splits them; the unsplit launch leaves SMs idle (96 CTAs at BV 64 on (16, 48))
+    Problem(16, 48, (32768,)), Problem(16, 48, (8192,)), Problem(16, 64, (32768,))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
 PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23}  # the stage whose split a stage's sweep is compared with
 
