@@ -6,7 +6,8 @@ and four CTAs fit an SM, though its 33,296 bytes of shared memory would let six.
 grouping gives more CTAs than four an SM hold and no more than six hold (``ctas_per_sm``), the
 same program is compiled with ``__launch_bounds__(128, 6)`` (``flashqla.hopper.min_ctas_per_sm``):
 ptxas fits it in 80 registers with 40 bytes of spill stores and 36 of spill loads (24-byte stack
-frame); at (128, 5) 96 registers, no spills. Elsewhere s11's kernels run unchanged.
+frame; nvdisasm: 8 STL and 7 LDL among 21,486 instructions at one head a CTA); at (128, 5) 96
+registers, no spills. Elsewhere s11's kernels run unchanged.
 
 Why: inside the forward the solve is one launch's latency (gate_free_solve.s11). On (8, 24)
 1x2048 the key heads hold three value heads each, so s11 runs s08 at one head a CTA: 33 chunk rows
