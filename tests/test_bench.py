@@ -76,6 +76,41 @@ def test_a_lost_device_stops_the_run_and_says_so(monkeypatch):
         bench._stop_if_device_lost("FLA", "(2, 8) 1x2048")
 
 
+def test_a_peer_that_fails_once_is_timed_once_more(monkeypatch):
+    """A peer's row that raises (FLA's Triton compile on a fresh machine) is timed a second time; a
+    second failure, or a lost device, is raised."""
+    import torch
+
+    calls = []
+
+    def flaky(fn, sets, grad=False):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("PassManager::run failed")
+        return 0.1, "CUDA graph replay"
+
+    monkeypatch.setattr(bench, "time_row", flaky)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert bench.time_peer_twice(None, []) == (0.1, "CUDA graph replay") and len(calls) == 2
+
+    def broken(fn, sets, grad=False):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(bench, "time_row", broken)
+    with pytest.raises(RuntimeError, match="PassManager"):
+        bench.time_peer_twice(None, [])
+
+    def lost():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bench.time_peer_twice(None, [])
+    assert len(calls) == 1
+
+
 def test_heads_and_lengths_reads_every_problem_label():
     for p in bench.PROBLEMS + list(bench.TRAINING.problems):
         assert bench.heads_and_lengths(p.label) == (p.H, p.HV, list(p.lengths)), p.label
