@@ -2082,9 +2082,24 @@ assert solve12.gate_free_solve_kernel(8, 24, 1, 4).script() == solve12.TENSOR_CO
 assert solve12.ctas_per_sm(8, 24, 33, 132) == 6 and solve12.ctas_per_sm(8, 32, 33, 132) == 4
 
 # %% [markdown]
-# `gdn_fwd.s30` is s29 with s12's launch bounds. Not yet run on a GPU: its tests (the solve at six
-# CTAs an SM bit for bit s08's, s30 bit for bit s29's) and its rows in the benchmark are the next
-# GPU call's work.
+# `gdn_fwd.s30` is s29 with s12's launch bounds.
+#
+# The solve needs g only for a flagged head's gate, and g_cum of its own chunk and heads is a
+# scan of 64 tokens. `gate_free_solve.s13` therefore makes the chunk table (chunk_local_cumsum.s03's
+# prologue) and the cumsum of its heads (s02's scan, in s02's order, on 8 R of its threads) before
+# s08's solve, and writes g_cum and the table for the kernels after it: where s08's kernel solves,
+# the forward's first two launches become one (`gdn_fwd.s31`). The prologue, and what the solve
+# now reads from it instead of HBM:
+
+# %%
+solve13 = load("gate_free_solve", 13)
+src13 = inspect.getsource(solve13.cumsum_solve_kernel)
+print(src13[src13.index("            # ---- the cumsum of the R heads"):src13.index("            # ---- s08's solve")])
+assert "g_cum[bos + i" not in src13 and "g_cum[bos + j * L + r, hv0 + h] = off + x[r]" in src13
+
+# %% [markdown]
+# Not yet run on a GPU: the tests of s12, s13, s30 and s31 (each bit for bit its predecessor:
+# the same table, g_cum, Ab and flags) and their benchmark rows are the next GPU call's work.
 
 # %% [markdown]
 #

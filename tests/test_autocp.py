@@ -428,9 +428,9 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30],
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30"])
+                     "s27", "s28", "s29", "s30", "s31"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -438,7 +438,8 @@ def stage(request):
     the state/value split, s24 s23's with phase 2 reading M only where needed, s26 s24's with
     the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
-    the cumsum, s30 s29's with gate_free_solve.s12's launch bounds), with its kernels (and those of the chain it runs) compiled on threads first."""
+    the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
+    the solve's prologue), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -868,3 +869,20 @@ def test_s30_solve_in_one_wave_gives_s29s_bits(problem, cp):
     ctas = s30.SOLVE.ctas_per_sm(problem.H, problem.HV, rows, autocp.num_sms("cuda"))
     assert (ctas == s30.SOLVE.ONE_WAVE_CTAS_PER_SM) == (problem.HV == 24)
     assert_same_bits_eager_and_in_a_graph(s30, load("gdn_fwd", 29), problem, cp, seed=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (2000,)), None),                                 # the cumsum in the solve, 2 heads a CTA
+    (Problem(8, 24, (2048,)), None),                                # ... 1 head a CTA, six CTAs an SM
+    (Problem(4, 16, (333, 333), varlen=False), 2),                  # ... a batch (no cu_seqlens), split
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # 4 heads a CTA: s30's two kernels
+], ids=["short", "one-wave", "batch-L2", "varlen-L4"])
+def test_s31_cumsum_in_the_solve_gives_s30s_bits(problem, cp):
+    """gdn_fwd.s31 makes the chunk table and g_cum in the solve's prologue where s08's kernel solves
+    (gate_free_solve.s13): the same bits as s30, eagerly and from a CUDA graph holding two
+    forwards, replayed on new inputs."""
+    from flashqla.stages import load
+
+    assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 31), load("gdn_fwd", 30), problem, cp, seed=7)

@@ -199,3 +199,21 @@ def test_six_ctas_an_sm_only_where_they_make_one_wave():
         if s12.ctas_per_sm(p.H, p.HV, rows, 132) == s12.ONE_WAVE_CTAS_PER_SM:
             six.add(p.label)
     assert six == {"(8, 24) 1x2048"}
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("heads", [(4, 16), (8, 24)], ids=["two-heads-a-cta", "one-head-a-cta"])
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_cumsum_in_the_solve_gives_s03s_and_s12s_bits(heads, kind):
+    """gate_free_solve.s13 makes the chunk table and g_cum in s08's kernel before solving: the table,
+    first_chunk and g_cum are chunk_local_cumsum.s03's and Ab and the flags gate_free_solve.s12's,
+    bit for bit, flagged chunks (whose gate reads the in-kernel g_cum) included."""
+    x = adversarial_inputs(kind, *heads)
+    k, beta, g, cu = x["k"], x["beta"], x["g"], x["cu_seqlens"]
+    g_cum, table, first_chunk = stages.load("chunk_local_cumsum", 3).cumsum_and_table(g, cu)
+    ab, gated = stages.load("gate_free_solve", 12).solve(k, beta, g_cum.view(g.shape), cu)
+    got = stages.load("gate_free_solve", 13).cumsum_and_solve(k, beta, g, cu)
+    for want, have in zip((g_cum, table, first_chunk, ab, gated), got):
+        assert torch.equal(have, want)
+    assert kind != "unnormalized_keys" or 0 < int(gated.sum()) < gated.numel()
