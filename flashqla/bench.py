@@ -255,8 +255,6 @@ def train_candidates() -> list[tuple[str, object, object]]:
     """(row name, step(inputs with do, dht) -> (dq, dk, dv, dg, dbeta, dh0), checked?) for a
     training step: FLA, FlashQLA and the API through autograd; each gdn_bwd stage after the
     promoted forward (``flashqla.fwd``)."""
-    import os
-
     from flashqla import fwd
     from flashqla.api import chunk_gated_delta_rule
 

@@ -50,11 +50,24 @@ def kernel_source() -> str:
             + S29.kernel_source())
 
 
+def prologue(H, HV, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated, sms):
+    """The forward's kernels before AutoCP's and the fused kernel, on its flat buffers."""
+    R = SOLVE.BY_FORWARD.heads_per_cta(H, HV, chunks.shape[0], sms)
+    # g_cum, chunks, first_chunk <- the chunk-local cumsum of g and the chunk table
+    S29._cumsum(HV)(g, seqs, g_cum, chunks, first_chunk)
+    # Ab, gated <- the gate-free solve (s08's kernel at s12's CTAs an SM, or s06's)
+    if R <= SOLVE.BY_FORWARD.BY_HEADS.TENSOR_CORE_MAX_HEADS:
+        ctas = SOLVE.ctas_per_sm(H, HV, chunks.shape[0], sms)
+        _solve_tf32(H, HV, R, ctas)(k, beta, g_cum, chunks, ab, gated)
+    else:
+        S27._compiled("solve", H, HV, R)(k, beta, g_cum, chunks, ab, gated)
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, *, prologue=prologue):
     """s29's forward with gate_free_solve.s12's launch bounds for the solve (``cp`` None decides,
     False never splits, True splits at the rule's cheapest L, an int is the segment length in
-    chunks)."""
+    chunks). ``prologue``: the kernels before AutoCP's (gdn_fwd.s31 passes its own)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -77,16 +90,8 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     sms = autocp.num_sms(device)
-    R = SOLVE.BY_FORWARD.heads_per_cta(H, HV, chunks.shape[0], sms)
     with nvtx_range("gdn_fwd.s30"):
-        # g_cum, chunks, first_chunk <- the chunk-local cumsum of g and the chunk table
-        S29._cumsum(HV)(g, seqs, g_cum, chunks, first_chunk)
-        # Ab, gated <- the gate-free solve (s08's kernel at s12's CTAs an SM, or s06's)
-        if R <= SOLVE.BY_FORWARD.BY_HEADS.TENSOR_CORE_MAX_HEADS:
-            ctas = SOLVE.ctas_per_sm(H, HV, chunks.shape[0], sms)
-            _solve_tf32(H, HV, R, ctas)(k, beta, g_cum, chunks, ab, gated)
-        else:
-            S27._compiled("solve", H, HV, R)(k, beta, g_cum, chunks, ab, gated)
+        prologue(H, HV, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated, sms)
     widths, fused = S27.S18.WIDTHS, S27.S18.PIPELINE
     BV = fused.launch_width(cu_seqlens, B, T, HV, V, sms, widths.step)
     p = S27.PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, widths.step[BV])
