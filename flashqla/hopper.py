@@ -23,6 +23,25 @@ def compile_hopper(prim_func, pass_configs: dict | None = None):
     return tilelang.compile(prim_func, target=HOPPER_TARGET, pass_configs=pass_configs)
 
 
+def _rewrite_once(prim_func, node_type: str, rewrite, wanted: str):
+    """``prim_func`` with the one node of ``node_type`` that ``rewrite`` replaces (it returns None
+    for the others); a ValueError that says ``wanted`` unless exactly one was replaced."""
+    from tvm import tirx
+
+    found = []
+
+    def visit(stmt):
+        new = rewrite(stmt)
+        if new is not None:
+            found.append(stmt)
+        return new
+
+    body = tirx.stmt_functor.ir_transform(prim_func.body, None, visit, [node_type])
+    if len(found) != 1:
+        raise ValueError(f"{wanted}; got {len(found)}")
+    return prim_func.with_body(body)
+
+
 def dependent_launch(prim_func):
     """``prim_func`` with its kernel waiting on the launch before it (``griddepcontrol.wait``,
     TileLang's ``T.pdl_sync``), then letting the launch after it start (``griddepcontrol.
@@ -34,21 +53,15 @@ def dependent_launch(prim_func):
     import tilelang.language as T  # imported here: importing flashqla must not pull in TileLang
     from tvm import tirx
 
-    found = []
-
     def prepend(stmt):
         if stmt.name_hint != "tilelang_root":
             return None
-        found.append(stmt)
         body = tirx.SeqStmt([tirx.Evaluate(T.pdl_sync()), tirx.Evaluate(T.pdl_trigger()), stmt.body])
         return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
                            stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
 
-    body = tirx.stmt_functor.ir_transform(prim_func.body, None, prepend, ["tirx.SBlock"])
-    if len(found) != 1:
-        raise ValueError(f"dependent_launch: `prim_func` must have one kernel (one tilelang_root "
-                         f"block); got {len(found)}")
-    return prim_func.with_body(body)
+    return _rewrite_once(prim_func, "tirx.SBlock", prepend,
+                         "dependent_launch: `prim_func` must have one kernel (one tilelang_root block)")
 
 
 def min_ctas_per_sm(prim_func, n: int):
@@ -59,19 +72,14 @@ def min_ctas_per_sm(prim_func, n: int):
 
     if not (isinstance(n, int) and n > 0):
         raise ValueError(f"min_ctas_per_sm: `n` must be a positive int; got {n!r}")
-    found = []
 
     def reset(stmt):
         if stmt.attr_key != "tl.min_blocks_per_sm":
             return None
-        found.append(stmt)
         return tirx.AttrStmt(stmt.node, stmt.attr_key, tirx.IntImm(stmt.value.dtype, n), stmt.body)
 
-    body = tirx.stmt_functor.ir_transform(prim_func.body, None, reset, ["tirx.AttrStmt"])
-    if len(found) != 1:
-        raise ValueError(f"min_ctas_per_sm: `prim_func` must annotate its CTAs an SM once "
-                         f"(T.annotate_min_blocks_per_sm); got {len(found)}")
-    return prim_func.with_body(body)
+    return _rewrite_once(prim_func, "tirx.AttrStmt", reset, "min_ctas_per_sm: `prim_func` must annotate "
+                         "its CTAs an SM once (T.annotate_min_blocks_per_sm)")
 
 
 @functools.cache
