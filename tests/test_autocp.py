@@ -428,9 +428,9 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
 GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
-@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31],
+@pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -439,7 +439,7 @@ def stage(request):
     the cumsum and solve of short problems and s25's rule, s27 s26's kernels as programmatic
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
     the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
-    the solve's prologue), with its kernels (and those of the chain it runs) compiled on threads first."""
+    the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -886,3 +886,64 @@ def test_s31_cumsum_in_the_solve_gives_s30s_bits(problem, cp):
     from flashqla.stages import load
 
     assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 31), load("gdn_fwd", 30), problem, cp, seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (2000,)), None),                                 # two heads a CTA: five CTAs an SM
+    (Problem(16, 16, (4096,) * 3), None),                           # one head a CTA: six, many waves
+    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # 4 heads a CTA: s31's two kernels
+], ids=["two-heads", "one-head", "varlen-L4"])
+def test_s32_ctas_by_heads_gives_s31s_bits(problem, cp):
+    """gdn_fwd.s32 compiles the cumsum-and-solve kernel at gate_free_solve.s14's CTAs an SM: the same
+    bits as s31, eagerly and from a CUDA graph holding two forwards, replayed on new inputs."""
+    from flashqla.stages import load
+
+    assert_same_bits_eager_and_in_a_graph(load("gdn_fwd", 32), load("gdn_fwd", 31), problem, cp, seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp", [
+    (Problem(2, 8, (2000,)), None),                                 # BV 16: 64 CTAs
+    (Problem(16, 16, (1000,)), None),                               # BV 16: 128 CTAs
+    (Problem(4, 16, (333, 333), varlen=False), 2),                  # split: phase 3's width
+], ids=["narrow", "one-wave", "batch-L2"])
+def test_s33_sixteen_columns_give_s32s_bits(problem, cp):
+    """gdn_fwd.s33 runs the fused kernel at BV 16 where one wave holds it: a value column's chain does
+    not depend on the others, so o and the final state are s32's bits, eagerly and from a CUDA graph
+    holding two forwards, replayed on new inputs."""
+    from flashqla.stages import load
+
+    s33 = load("gdn_fwd", 33)
+    x = problem.inputs("cpu")
+    B, T = x["q"].shape[:2]
+    width = s33.S27.S18.PIPELINE.launch_width(x["cu_seqlens"], B, T, problem.HV, 128, autocp.num_sms("cuda"),
+                                              s33.STEP)
+    assert (width == 16) == (cp is None)
+    assert_same_bits_eager_and_in_a_graph(s33, load("gdn_fwd", 32), problem, cp, seed=9)
+
+
+def test_s33_goes_to_sixteen_columns_only_on_short_single_sequences():
+    """gdn_fwd.s33's width rule on the benchmark's 40 problems (132 SMs): BV 16 on the unsplit single
+    sequences of (2, 8), (4, 16) and (16, 16) at 1x2048, and nowhere else; AutoCP's split and phase
+    3's width as s32's everywhere."""
+    from flashqla.bench import PROBLEMS
+    from flashqla.stages import load
+
+    s33 = load("gdn_fwd", 33)
+    fused, old_step = s33.S27.S18.PIPELINE, s33.S27.S18.WIDTHS.step
+    sixteen = set()
+    for p in PROBLEMS:
+        seq_chunks = [-(-n // s33.CHUNK_SIZE) for n in p.lengths]
+        splits = []
+        for step in (old_step, s33.STEP):
+            BV = fused.block_v(seq_chunks, p.HV, 128, 132, step)
+            L = s33.S27.PIPELINE.segment_chunks(seq_chunks, p.HV, 132, step[BV], None)
+            rows = sum(-(-c // L) for c in seq_chunks) if L else 0
+            splits.append((L, fused.block_v([1] * rows, p.HV, 128, 132, step) if L else None))
+            if step is s33.STEP and BV == 16 and not L:   # the launch runs at 16
+                sixteen.add(p.label)
+        assert splits[0] == splits[1], p.label
+    assert sixteen == {"(2, 8) 1x2048", "(4, 16) 1x2048", "(16, 16) 1x2048"}

@@ -217,3 +217,24 @@ def test_cumsum_in_the_solve_gives_s03s_and_s12s_bits(heads, kind):
     for want, have in zip((g_cum, table, first_chunk, ab, gated), got):
         assert torch.equal(have, want)
     assert kind != "unnormalized_keys" or 0 < int(gated.sum()) < gated.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("heads", [(4, 16), (8, 24)], ids=["two-heads-a-cta", "one-head-a-cta"])
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_more_ctas_an_sm_give_s13s_bits(heads, kind):
+    """gate_free_solve.s14 compiles s13's program at five (two heads a CTA) or six (one) CTAs an SM,
+    with a few register spills: g_cum, the table, first_chunk, Ab and the flags are s13's bit for
+    bit, flagged chunks included."""
+    x = adversarial_inputs(kind, *heads)
+    k, beta, g, cu = x["k"], x["beta"], x["g"], x["cu_seqlens"]
+    s14 = stages.load("gate_free_solve", 14)
+    rows = chunk_table(cu, 1, k.shape[1], C, k.device)[0].shape[0]
+    R = s14.BY_GRID.BY_FORWARD.heads_per_cta(*heads, rows, autocp.num_sms(k.device))
+    assert s14.ctas_per_sm(R) == (6 if heads == (8, 24) else 5)
+    want = stages.load("gate_free_solve", 13).cumsum_and_solve(k, beta, g, cu)
+    got = s14.cumsum_and_solve(k, beta, g, cu)
+    for have, expected in zip(got, want):
+        assert torch.equal(have, expected)
+    assert kind != "unnormalized_keys" or 0 < int(got[4].sum()) < got[4].numel()
