@@ -3,9 +3,13 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s29's
-pipeline: s28's, whose first kernel (chunk_local_cumsum.s03) also writes the chunk table, so no
-forward builds or caches a table apart from it. s28's is s27's (s26's kernels, each compiled as a
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s33's
+pipeline: s32's with a fourth width, 16 value columns a CTA of the fused kernel where one wave holds
+them. s32's is s29's with the chunk table and the cumsum made in the solve's prologue where a CTA
+solves one or two value heads (gate_free_solve.s13, s31), compiled at six or five CTAs an SM
+(gate_free_solve.s14); with three or four heads a CTA, s29's first kernel (chunk_local_cumsum.s03)
+writes the table and the cumsum, and s06's solve follows. No forward builds or caches a table apart
+from them. s29's is s28's, and s28's is s27's (s26's kernels, each compiled as a
 programmatic dependent: ``griddepcontrol.wait`` and ``launch_dependents`` first, launched with
 programmatic stream serialization, so a kernel's CTAs are resident when its predecessor ends) with
 gate_free_solve.s11's grouping of the solve. s26's kernels are s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase
@@ -28,6 +32,13 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   a graph 2.0-2.9 us where the table
                                                                   kernel and s02 took 7.3-8.1, one
                                                                   H100, 4c2e89f)
+    gate_free_solve.s13      k, beta, g, seqs        -> g_cum, chunks, first_chunk, Ab, gated: at one
+                                                                  or two heads a CTA, s03's table
+                                                                  and scan in s08's solve kernel
+                                                                  (below), at six or five CTAs an SM
+                                                                  (s14). In a graph (2, 8) 1x2048's
+                                                                  two kernels took 8.9 + 2.1 us,
+                                                                  this one 8.4 (one H100, ba1bffa)
     gate_free_solve.s11      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
@@ -79,7 +90,9 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                        without mask or exp (s10: 1.05-1.14x s07's
                                                        forward), here at BV = 32 value columns a
                                                        CTA (``block_v``; s12: 1.16-1.32x s10 on the
-                                                       21 problems that go narrow). s13's path
+                                                       21 problems that go narrow) or 16 where one
+                                                       wave holds that (s33: 0.85-0.90x its time at
+                                                       32, one H100, ba1bffa). s13's path
                                                        (4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
                                                        and 0.49-6.30x FlashQLA (geomean 1.51x,
                                                        0.90x); (16, 64) 1 x 32768: 1.739 ms,
@@ -113,7 +126,7 @@ import functools
 import torch
 
 from flashqla import autocp
-from flashqla.hopper import compile_hopper, dependent_launch
+from flashqla.hopper import compile_hopper, dependent_launch, min_ctas_per_sm
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds, num_chunk_rows, seq_bounds
 
@@ -124,6 +137,7 @@ GROWTH_LIMIT = 2.0    # gate_free_solve: beta ||k||^2 <= 2  <=>  ||I - beta k k^
 BLOCK_V = 64          # BV: value columns of the state owned by one CTA of the fused kernel, where
                       # the CTAs fill the SMs
 NARROW_BLOCK_V = 32   # ... and where BLOCK_V would leave SMs idle (``block_v``): twice the CTAs
+NARROWEST_BLOCK_V = 16  # ... and where one wave holds four times the CTAs (gdn_fwd.s33)
 BLOCK = 64            # state columns per CTA of the warm-up kernel
 WINDOW_THREADS = 256  # the windows kernel: a token of the previous segment a thread ...
 UNROLL = 4            # ... four at once
@@ -141,6 +155,7 @@ MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key he
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
+SOLVE_CTAS_PER_SM = {1: 6, 2: 5}  # gate_free_solve.s14: its __launch_bounds__(128, n) at 1 or 2 heads a CTA
 SOLVE_WAVE_CTAS_PER_SM = 3  # gate_free_solve.s11: CTAs an SM that three or four heads a CTA must leave
 CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02's and s03's: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
@@ -184,9 +199,10 @@ REGS_WARMUP_STATE = 168           # S (64 fp32 a thread)
 REGS_WARMUP_VALUE = 128           # U / W / V~ / Vd (32)
 REGS_WARMUP_WY = 128              # Gamma * Ab, 32 elements a thread
 assert REGS_PRODUCER + REGS_WARMUP_STATE + REGS_WARMUP_VALUE + REGS_WARMUP_WY <= 4 * 128
-STEP = {NARROW_BLOCK_V: 0.85,    # a chunk step of the fused kernel at each BV, in steps at BV = 64
-        BLOCK_V: 1.0,            # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
-        WIDE_BLOCK_V: 1.37}      # wave each, 4 x H100, kernel_width.csv)
+STEP = {NARROWEST_BLOCK_V: 0.74,  # a chunk step of the fused kernel at each BV, in steps at BV = 64
+        NARROW_BLOCK_V: 0.85,     # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
+        BLOCK_V: 1.0,             # wave each, 4 x H100, kernel_width.csv; s33's: s12 at 16 against
+        WIDE_BLOCK_V: 1.37}       # 32, one wave each, one H100)
 
 
 # ---- promoted from kernels/chunk_local_cumsum/s03_table_in_the_scan.py
@@ -482,17 +498,22 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
     return gate_free_solve_balanced
 
 
-# ---- promoted from kernels/gate_free_solve/s08_tensor_core_half.py (BLOCK renamed SOLVE_BLOCK, HALF
-# SOLVE_HALF); the forward runs it where a CTA holds at most SOLVE_TF32_MAX_HEADS (gate_free_solve.s09)
-def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
-    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
-    value heads of one key head (a divisor of HV / H); any token or chunk count."""
+# ---- promoted from kernels/gate_free_solve/s13_cumsum_in_the_solve.py (s08's kernel, BLOCK renamed
+# SOLVE_BLOCK, HALF SOLVE_HALF, SEGMENTS CUMSUM_SEGMENTS, with the chunk table and the cumsum in its
+# prologue); the forward runs it where a CTA holds at most SOLVE_TF32_MAX_HEADS (gate_free_solve.s09),
+# at SOLVE_CTAS_PER_SM (gate_free_solve.s14)
+def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
+    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA scanning and solving
+    ``heads_per_cta`` (one or two) value heads of one key head; any token, sequence or row count."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
+    P = CUMSUM_SEGMENTS
+    L = C // P                     # tokens a scanning thread
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
+    num_bounds = T.dynamic("num_bounds")
+    num_rows = T.dynamic("num_rows")
 
     phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (
         r, b // 2, SOLVE_BLOCK * (b % 2) + 8 * half + q, SOLVE_BLOCK * (b % 2) + j))
@@ -518,15 +539,18 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
             x_s[r, b, SOLVE_BLOCK + 8 * half + q, c] = -(acc[0] + acc[1])
 
     @T.prim_func
-    def gate_free_solve_tf32(
+    def gate_free_solve_with_cumsum(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
-        g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
+        g: T.Tensor((num_tokens, HV), "float32"),
+        bounds: T.Tensor((num_bounds,), "int32"),              # [N + 1]: where each sequence starts
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # out: the chunk-local cumsum of g
+        table: T.Tensor((num_rows, 2), "int32"),               # out: [start, end) of every chunk
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # out: each sequence's first row
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab
-        gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
+        gated: T.Tensor((num_rows, HV), "int32"),              # 1: ab holds Ai diag(beta) instead
     ):
-        with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
+        with T.Kernel(num_rows, HV // R, threads=THREADS) as (i_c, i_r):
             T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             t = T.get_thread_binding()
             warp = t // 32                                     # phase A: this warp's block column
@@ -534,9 +558,19 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
             half = (t // 16) % 2                               # which half of each row sum
             hv0 = i_r * R                                      # this CTA's first value head
             i_h = hv0 // group
-            bos = chunk_bounds[i_c, 0]                         # first token of the chunk
-            n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
+            n_seqs = num_bounds - 1
+            per = T.ceildiv(n_seqs, THREADS)                   # sequences [t per, (t + 1) per) are t's
+            h = t % R                                          # the scan: this thread's head ...
+            j = t // R                                         # ... and segment; >= P past 8 R threads
 
+            scan_s = T.alloc_shared((THREADS,), "int32")
+            row_s = T.alloc_shared((2,), "int32")              # this CTA's chunk: [start, end)
+            mine = T.alloc_local((1,), "int32")
+            step = T.alloc_local((1,), "int32")
+            x = T.alloc_local((L,), "float32")
+            totals = T.alloc_shared((R * P,), "float32")       # t_j,h at h P + j
+            tt = T.alloc_local((P,), "float32")                # t_0,h .. t_{P-1},h
+            off = T.alloc_var("float32")
             k_s = T.alloc_shared((C, K), "bfloat16")
             kkt_s = T.alloc_shared((C, C), "float32")
             beta_s = T.alloc_shared((R, C), "float32")
@@ -555,15 +589,78 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
             row = T.alloc_local((R,), "float32")
             any_flag = T.alloc_local((1,), "int32")
 
+            # ---- the chunk (chunk_local_cumsum.s03's prologue): row_s <- [T, T) unless found below
+            if t == 0:
+                row_s[0] = num_tokens
+                row_s[1] = num_tokens
+            # mine <- the chunks of this thread's sequences, ceil(length / C) each
+            mine[0] = 0
+            for i in T.serial(per):
+                if t * per + i < n_seqs:
+                    mine[0] = mine[0] + T.ceildiv(bounds[t * per + i + 1] - bounds[t * per + i], C)
+            # scan_s <- inclusive prefix sums of mine over the threads (Hillis-Steele)
+            scan_s[t] = mine[0]
+            for d in [1 << e for e in range((THREADS - 1).bit_length())]:  # a Python loop: unrolled
+                T.sync_threads()
+                step[0] = scan_s[t] + T.if_then_else(t >= d, scan_s[T.max(t - d, 0)], 0)
+                T.sync_threads()
+                scan_s[t] = step[0]
+            T.sync_threads()
+            # walk this thread's sequences from the chunks before them: CTA (0, 0) writes first_chunk;
+            # the sequence holding row i_c gives row_s its chunk, clipped to the sequence's end
+            mine[0] = scan_s[t] - mine[0]
+            for i in T.serial(per):
+                if t * per + i < n_seqs:
+                    step[0] = T.ceildiv(bounds[t * per + i + 1] - bounds[t * per + i], C)
+                    if (i_c == 0) & (i_r == 0):
+                        first_chunk[t * per + i] = mine[0]
+                    if mine[0] <= i_c and i_c < mine[0] + step[0]:
+                        row_s[0] = bounds[t * per + i] + (i_c - mine[0]) * C
+                        row_s[1] = T.min(bounds[t * per + i] + (i_c - mine[0] + 1) * C,
+                                         bounds[t * per + i + 1])
+                    mine[0] = mine[0] + step[0]
+            if (i_c == 0) & (i_r == 0) & (t == THREADS - 1):
+                first_chunk[n_seqs] = scan_s[THREADS - 1]
+            T.sync_threads()
+            bos = row_s[0]                                     # first token of the chunk
+            n = row_s[1] - bos                                 # its length, 0..64
+            if (i_r == 0) & (t == 0):
+                table[i_c, 0] = bos
+                table[i_c, 1] = row_s[1]
+
+            # ---- the cumsum of the R heads (s02's scan, s02's order): x_r <- g[bos + j L + r, h],
+            # zero past the chunk's end
+            for r in T.unroll(L):
+                x[r] = 0.0
+                if (j < P) & (j * L + r < n):
+                    x[r] = g[bos + j * L + r, hv0 + h]
+            # x_r <- x_0 + ... + x_r: the prefix within the segment; x_{L-1} is its total
+            for r in T.unroll(1, L):
+                x[r] = x[r] + x[r - 1]
+            if t < P * R:
+                totals[h * P + j] = x[L - 1]
             # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
             for r in T.Parallel(R):
                 flag_s[r] = 0
-            # K <- k[bos : bos + n]; beta, log2(e) g_cum of the R value heads; zeros below row n
+            T.sync_threads()
+            # off = t_0,h + ... + t_{j-1},h; g_cum <- off + x_r, and log2(e) g_cum (0 past the chunk's
+            # end) for a flagged head's gate
+            for jj in T.vectorized(P):
+                tt[jj] = totals[h * P + jj]
+            off = 0.0
+            for jj in T.unroll(P - 1):
+                if jj < j:
+                    off = off + tt[jj]
+            if t < P * R:
+                for r in T.unroll(L):
+                    g_s[h, j * L + r] = T.if_then_else(j * L + r < n, (off + x[r]) * LOG2E, 0)
+                    if j * L + r < n:
+                        g_cum[bos + j * L + r, hv0 + h] = off + x[r]
+            # ---- s08's solve: K <- k[bos : bos + n]; beta of the R value heads; zeros below row n
             for i, d in T.Parallel(C, K):
                 k_s[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
             for r, i in T.Parallel(R, C):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
-                g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
             # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
             T.copy(kkt_f, kkt_s)
@@ -641,7 +738,7 @@ def gate_free_solve_tf32_kernel(H: int, HV: int, heads_per_cta: int):
                     if t == 0:
                         gated[i_c, hv0 + r] = flag_s[r]
 
-    return gate_free_solve_tf32
+    return gate_free_solve_with_cumsum
 
 
 # ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows)
@@ -1484,8 +1581,11 @@ PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": Tr
 @functools.cache
 def _compiled(builder, *shape):
     """``builder(*shape)`` as a programmatic dependent (gdn_fwd.s27): it waits on the kernel before
-    it inside, and lets the one after it be scheduled at once."""
-    return compile_hopper(dependent_launch(builder(*shape)), PASS_CONFIGS.get(builder))
+    it inside, and lets the one after it be scheduled at once; the solve at SOLVE_CTAS_PER_SM."""
+    func = builder(*shape)
+    if builder is gate_free_solve_with_cumsum_kernel:  # shape: (H, HV, heads a CTA)
+        func = min_ctas_per_sm(func, SOLVE_CTAS_PER_SM[shape[2]])
+    return compile_hopper(dependent_launch(func), PASS_CONFIGS.get(builder))
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
@@ -1514,14 +1614,21 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     g_cum = torch.empty(B * T, HV, **fp32)
     ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
-    with nvtx_range("fwd.chunk_local_cumsum"):
-        # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
-        _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
     sms = autocp.num_sms(device)
-    with nvtx_range("fwd.gate_free_solve"):
-        R = solve_heads(H, HV, chunks.shape[0], sms)
-        solve = gate_free_solve_tf32_kernel if R <= SOLVE_TF32_MAX_HEADS else gate_free_solve_kernel
-        _compiled(solve, H, HV, R)(k, beta, g_cum, chunks, ab, gated)
+    R = solve_heads(H, HV, chunks.shape[0], sms)
+    if R <= SOLVE_TF32_MAX_HEADS:
+        with nvtx_range("fwd.gate_free_solve_with_cumsum"):
+            # g_cum, chunks, first_chunk, Ab, gated <- the chunk table, the chunk-local cumsum of g
+            # and the gate-free solve, in one kernel
+            _compiled(gate_free_solve_with_cumsum_kernel, H, HV, R)(k, beta, g, seqs, g_cum, chunks,
+                                                                    first_chunk, ab, gated)
+    else:
+        with nvtx_range("fwd.chunk_local_cumsum"):
+            # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
+            _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
+        with nvtx_range("fwd.gate_free_solve"):
+            # Ab, gated <- the gate-free solve, three or four value heads a CTA
+            _compiled(gate_free_solve_kernel, H, HV, R)(k, beta, g_cum, chunks, ab, gated)
 
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
     p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
@@ -1550,7 +1657,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths
     ht = torch.empty(h0.shape, **fp32)
-    builder = fused_reform_kernel if BV == NARROW_BLOCK_V else fused_state_value_kernel
+    builder = fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel
     with nvtx_range("fwd.chunk_h_o"):
         _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
                                             scale, o, ht)

@@ -23,10 +23,13 @@ the cumsum and the fused kernel, and its time is one launch's latency. So
     python3 profiles/prologue_lab.py forward OUT.csv [--commit SHA]
 
 times the solve there: for the same problems and every grouping R, the library's forward
-(``flashqla.chunk_gated_delta_rule``) with ``flashqla.fwd.solve_heads`` forced to R (s08's kernel
-at R <= 2, s06's above, as the library runs them), captured in a CUDA graph, 20 replays under
-torch.profiler (``timeline_lab.py``'s method); ``us`` is the solve kernel's device time a replay, ``forward_us`` the replay's
-span from its first kernel's start to its last one's end. On any machine,
+(``flashqla.chunk_gated_delta_rule``) with ``flashqla.fwd.solve_heads`` forced to R (at R <= 2 one
+kernel, the cumsum in s08's solve: gate_free_solve.s13's at s14's CTAs an SM; above, the cumsum
+kernel and s06's, as the library runs them), captured in a CUDA graph, 20 replays under
+torch.profiler (``timeline_lab.py``'s method); ``us`` is the device time a replay of the cumsum and
+the solve, ``forward_us`` the replay's span from its first kernel's start to its last one's end
+(``results/solve_in_forward.csv``, commit b37aa0a, is older: it times the solve alone, s08's kernel
+at R <= 2). On any machine,
 
     python3 profiles/prologue_lab.py report IN.csv
 
@@ -131,14 +134,15 @@ FORWARD_METHOD = ("the library's forward in one CUDA graph, solve_heads forced; 
 
 
 def forward_times(x) -> tuple[float, float]:
-    """(the solve kernel's us, the forward's span in us) a replay of the library's forward
+    """(the cumsum's and solve's us, the forward's span in us) a replay of the library's forward
     (``timeline_lab.timeline``)."""
     from timeline_lab import timeline  # beside this file: python3 puts profiles/ on the path
 
     from flashqla.api import chunk_gated_delta_rule
 
     rows = timeline(lambda inputs: chunk_gated_delta_rule(**inputs), x)
-    return sum(r["us"] for r in rows if "gate_free_solve" in r["kernel"]), rows[0]["span_us"]
+    return (sum(r["us"] for r in rows if "gate_free_solve" in r["kernel"] or "cumsum" in r["kernel"]),
+            rows[0]["span_us"])
 
 
 def measure_forward(out: Path, commit: str) -> int:
@@ -153,7 +157,7 @@ def measure_forward(out: Path, commit: str) -> int:
     groupings = {p.label: [R for R in (1, 2, 3, 4) if (p.HV // p.H) % R == 0] for p in problems}
     inputs = {p.label: p.inputs("cuda") for p in problems}
     run_on_threads([lambda p=p, R=R: fwd._compiled(
-        fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel,
+        fwd.gate_free_solve_with_cumsum_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel,
         p.H, p.HV, R) for p in problems for R in groupings[p.label]])
     run_on_threads([lambda x=x: chunk_gated_delta_rule(**x) for x in inputs.values()])
     meta = bench.versions(commit)
@@ -163,7 +167,7 @@ def measure_forward(out: Path, commit: str) -> int:
         for R in groupings[p.label]:
             with mock.patch.object(fwd, "solve_heads", lambda *_, R=R: R):
                 us, span = forward_times(inputs[p.label])
-            stage = "s08" if R <= fwd.SOLVE_TF32_MAX_HEADS else "s06"
+            stage = "s14" if R <= fwd.SOLVE_TF32_MAX_HEADS else "s06"
             rows.append(dict(problem=p.label, kernel=f"gate_free_solve.{stage}/{R}", ctas=rows_p * p.HV // R,
                              us=round(us, 1), forward_us=round(span, 1), method=FORWARD_METHOD, **meta))
         print(report_line(p.label, [r for r in rows if r["problem"] == p.label]), flush=True)

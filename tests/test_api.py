@@ -227,7 +227,7 @@ def compiled_kernels():
 
     def solves(H, HV):  # the forward's choices (gate_free_solve.s11): long problems, then short ones
         for R in {fwd.solve_heads(H, HV, 10**6, 1), fwd.solve_heads(H, HV, 0, 1)}:
-            yield fwd.gate_free_solve_tf32_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel, R
+            yield fwd.gate_free_solve_with_cumsum_kernel if R <= fwd.SOLVE_TF32_MAX_HEADS else fwd.gate_free_solve_kernel, R
 
     jobs = [job for H, HV in {(p.H, p.HV) for p in KERNEL_PATH_PROBLEMS} for job in (
         (fwd, fwd.chunk_local_cumsum_kernel, HV), *((fwd, solve, H, HV, R) for solve, R in solves(H, HV)),

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s29) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s33) gives."""
 
 import functools
 import sys
@@ -18,8 +18,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 3), "chunk_local_cumsum_kernel", (32,)),
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 3), "chunk_local_cumsum_kernel", (24,)),
     (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
-    (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
-    (fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 16, 1)),
+    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 32, 2)),
+    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 16, 1)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
     (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (2, 8)),
@@ -27,6 +27,7 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (8,)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
+    (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (4, 16, 128, 128, 16)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 32, 128, 128, 64)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
@@ -68,19 +69,21 @@ def test_solve_groups_value_heads_as_its_stage():
     assert changed == {1, 2}
 
 
-# the kernel of gdn_fwd.s27 (s29's after its cumsum, as programmatic dependents) that each forward
+# the kernel of gdn_fwd.s27 (s33's after its prologue, as programmatic dependents) that each forward
 # stage's builder is compiled as
-S27_KERNEL = {("gate_free_solve", 6): "solve", ("gate_free_solve", 8): "solve_tf32", ("gdn_fwd", 18): "windows",
-              ("gdn_fwd", 23): "warmup", ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow",
-              ("gdn_fwd", 16): "fused"}
+S27_KERNEL = {("gate_free_solve", 6): "solve", ("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
+              ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow", ("gdn_fwd", 16): "fused"}
 
 
-def compile_as_s29(stage, shape):
-    """Compile a forward stage's builder as gdn_fwd.s29 (the library's forward) compiles it."""
-    s29 = load("gdn_fwd", 29)
+def compile_as_s33(stage, shape):
+    """Compile a forward stage's builder as gdn_fwd.s33 (the library's forward) compiles it: the cumsum
+    as s29, the cumsum-and-solve kernel as s31 at gate_free_solve.s14's CTAs an SM, the rest as s27."""
+    s33 = load("gdn_fwd", 33)
     if stage == ("chunk_local_cumsum", 3):
-        return s29._cumsum.__wrapped__(*shape)
-    return s29.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
+        return s33.S32.S31.S30.S29._cumsum.__wrapped__(*shape)
+    if stage == ("gate_free_solve", 13):
+        return s33.S32.S31._cumsum_solve.__wrapped__(*shape, s33.S32.SOLVE.ctas_per_sm(shape[2]))
+    return s33.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
 
 
 def record_compiles(monkeypatch) -> list:
@@ -97,14 +100,14 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
                                                          monkeypatch):
     """The library compiles each kernel with its stage's target and pass configs (the fused forward
     kernel and the backward's walk are only correct without shared-memory reuse), and the stage
-    compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s29
-    compiles it (a programmatic dependent). tilelang.compile is replaced by a recorder: nothing is
+    compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s33
+    compiles it (a programmatic dependent; the solve at its launch bounds). tilelang.compile is replaced by a recorder: nothing is
     compiled."""
     calls = record_compiles(monkeypatch)
     sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
     module = load(*stage)
     if builder.__module__ == fwd.__name__:
-        compile_as_s29(stage, shape)
+        compile_as_s33(stage, shape)
     elif stage_builder in STAGE_COMPILE:
         getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])  # (H, HV) or (HV,)
     else:
@@ -123,17 +126,29 @@ def test_promoted_compile_check_catches_a_missing_dependent_launch(monkeypatch):
     assert calls[0][0] != calls[1][0]
 
 
+def test_promoted_compile_check_catches_other_launch_bounds(monkeypatch):
+    """The compile check above fails for the solve compiled at s08's four CTAs an SM, not s14's."""
+    calls = record_compiles(monkeypatch)
+    monkeypatch.setattr(fwd, "SOLVE_CTAS_PER_SM", {1: 4, 2: 4})
+    fwd._compiled.__wrapped__(fwd.gate_free_solve_with_cumsum_kernel, 16, 16, 1)
+    compile_as_s33(("gate_free_solve", 13), (16, 16, 1))
+    assert calls[0][0] != calls[1][0]
+
+
 def test_block_v_is_the_stage_rule():
-    """The fused kernel's BV per launch is gdn_fwd.s17's rule on the lengths, also where equal
-    lengths are assumed; every width is taken somewhere."""
-    s17 = load("gdn_fwd", 17)
+    """The fused kernel's BV per launch is gdn_fwd.s33's rule on the lengths (s15's on s33's steps),
+    also where equal lengths are assumed; every width is taken somewhere."""
+    s33 = load("gdn_fwd", 33)
+    def stage_rule(chunks, hv, sms):
+        return s33.S27.S18.PIPELINE.block_v(chunks, hv, 128, sms, s33.STEP)
     for chunks, hv, sms in [([512], 8, 132), ([512], 64, 132), ([448, 64], 64, 132), ([448, 64], 24, 132),
-                            ([64] * 8, 64, 132), ([64] * 8, 24, 132), ([64] * 8, 8, 132), ([1, 300, 7], 32, 114)]:
-        assert fwd.block_v(chunks, hv, 128, sms) == s17.block_v(chunks, hv, 128, sms)
+                            ([64] * 8, 64, 132), ([64] * 8, 24, 132), ([64] * 8, 8, 132), ([1, 300, 7], 32, 114),
+                            ([32], 8, 132), ([32], 16, 132), ([32], 24, 132)]:
+        assert fwd.block_v(chunks, hv, 128, sms) == stage_rule(chunks, hv, sms)
     for num_seqs, hv, sms in [(1, 8, 132), (1, 64, 132), (2, 64, 132), (8, 24, 132), (8, 64, 132), (3, 16, 114)]:
-        assert fwd.block_v([1] * num_seqs, hv, 128, sms) == s17.block_v([1] * num_seqs, hv, 128, sms)
-    assert {fwd.block_v([512], 16, 128, 132), fwd.block_v([512], 64, 128, 132),
-            fwd.block_v([64] * 8, 64, 128, 132)} == {32, 64, 128}
+        assert fwd.block_v([1] * num_seqs, hv, 128, sms) == stage_rule([1] * num_seqs, hv, sms)
+    assert {fwd.block_v([32], 16, 128, 132), fwd.block_v([512], 24, 128, 132), fwd.block_v([512], 64, 128, 132),
+            fwd.block_v([64] * 8, 64, 128, 132)} == {16, 32, 64, 128}
 
 
 def test_segment_chunks_is_the_stage_rule():
@@ -157,14 +172,16 @@ def test_a_changed_kernel_is_caught():
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
-    (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_tf32_kernel, ("gate_free_solve", 8), "gate_free_solve_kernel", (16, 32, 2)),
+    (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 32, 2)),
+    (fwd, "CUMSUM_SEGMENTS", 4, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 16, 1)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd, "REGS_WARMUP_STATE", 160, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.SOLVE_HALF", "fwd.BLOCK",
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.SOLVE_HALF",
+        "fwd.CUMSUM_SEGMENTS", "fwd.BLOCK",
         "fwd.REGS_WARMUP_STATE", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
@@ -190,15 +207,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s29's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s33's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s29 = load("gdn_fwd", 29)
+    s33 = load("gdn_fwd", 33)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s29.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s33.forward)]
     run_on_threads(calls)
 
 
@@ -232,12 +249,13 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(2, 8, (2000,)), None),                                 # ... 2 heads a CTA: few chunks
     (Problem(4, 16, (1500, 77)), None),
     (Problem(8, 24, (2000,)), None),                                # ... 1 head a CTA: 3 don't fill
+    (Problem(16, 16, (1000,)), None),                               # BV 16 (s12's kernel)
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
-        "solve-spread", "solve-spread-varlen", "solve-one"])
+        "solve-spread", "solve-spread-varlen", "solve-one", "narrowest"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s29's kernels in s29's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s33's kernels in s33's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 29).forward(**x, cp=cp)
+    want = load("gdn_fwd", 33).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
