@@ -2098,8 +2098,82 @@ print(src13[src13.index("            # ---- the cumsum of the R heads"):src13.in
 assert "g_cum[bos + i" not in src13 and "g_cum[bos + j * L + r, hv0 + h] = off + x[r]" in src13
 
 # %% [markdown]
-# Not yet run on a GPU: the tests of s12, s13, s30 and s31 (each bit for bit its predecessor:
-# the same table, g_cum, Ab and flags) and their benchmark rows are the next GPU call's work.
+# Their tests passed on one H100 (commit ba1bffa): s12 at six CTAs an SM and s13 bit for bit s08's
+# and s03's on adversarial inputs, s30 and s31 bit for bit their predecessors, eagerly and from a
+# CUDA graph. A kernel timeline of one forward in a graph (`profiles/timeline_lab.py`,
+# `results/timeline_prologue.csv`: s31, s30, the library = s29, FlashQLA):
+
+# %%
+with open(bench.RESULTS / "timeline_prologue.csv", newline="") as f:
+    timeline = list(csv.DictReader(f))
+print(f"{'problem':18s} {'impl':12s} {'span us':>8s}  kernels (us)")
+for (prob, impl) in dict.fromkeys((r["problem"], r["impl"]) for r in timeline):
+    ks = [r for r in timeline if (r["problem"], r["impl"]) == (prob, impl)]
+    print(f"{prob:18s} {impl:12s} {float(ks[0]['span_us']):8.1f}  " + "  ".join(
+        f"{r['kernel'].replace('_kernel', '')[:26]} {r['us']}" for r in ks))
+span = {(r["problem"], r["impl"]): float(r["span_us"]) for r in timeline}
+assert span["(2, 8) 1x2048", "gdn_fwd.31"] < span["(2, 8) 1x2048", "gdn_fwd.30"]
+assert span["(8, 24) 1x2048", "gdn_fwd.30"] < span["(8, 24) 1x2048", "API"] - 4
+
+# %% [markdown]
+# On (8, 24) 1 x 2048 six CTAs an SM take the solve from 20.4 to 15.6 us and the span from 84.5 to
+# 79.7, level with FlashQLA's 79.6. s31's one kernel (8.4 us on (2, 8)) costs less than s30's cumsum
+# and solve (2.1 + 8.9): the solve absorbs its scan.
+#
+# Is six CTAs an SM only worth it where it makes one wave? s08's kernel alone in a graph at four,
+# five and six, on grids of one wave and many (one H100, ba1bffa; the same bits at all three):
+# six wins at one head a CTA on many waves too ((16, 16) 8 x 4096: 135.3 against 144.1 us), and
+# five is never slower at two heads a CTA (23.1 to 21.1 on (2, 8) 1 x 8192; there shared memory
+# holds four CTAs an SM whatever the bound, so the gain is the code ptxas makes at 96 registers).
+# `gate_free_solve.s14` takes those bounds on every grid, by heads a CTA alone (its docstring holds
+# the table):
+
+# %%
+solve14 = load("gate_free_solve", 14)
+print(inspect.getsource(solve14.ctas_per_sm), solve14.CTAS_PER_SM)
+bounds14 = {R: re.search(r"__launch_bounds__\([^)]*\)", solve14._compiled(16, 16 * R, R).get_kernel_source()).group(0)
+            for R in (1, 2)}
+print(bounds14)
+assert bounds14 == {1: "__launch_bounds__(128, 6)", 2: "__launch_bounds__(128, 5)"}
+
+# %% [markdown]
+# `gdn_fwd.s32` runs s31 with s14's bounds. The narrow problems still spend most of their time in
+# the fused kernel: on (2, 8) 1 x 2048 it walks 32 chunks on 32 CTAs at 32 value columns a CTA (8
+# heads x 4), 100 of 132 SMs idle. Half the columns halve the chain's products again (64 x 16) and
+# double the CTAs; each CTA still computes its head's scores. Alone in a graph, s12's kernel at 16
+# against 32 (one H100, ba1bffa; the same bits): 0.85-0.90x the time where 16 is one wave, 1.6-1.7x
+# where it is two. `gdn_fwd.s33` adds BV = 16 to s15's width rule at 0.74 of a step at 64 (s17's 0.85
+# at 32 times the one-wave ratio's geomean, 0.867); of the benchmark's problems it picks 16 on the
+# unsplit 1 x 2048 of (2, 8), (4, 16) and (16, 16), and AutoCP's choices do not change
+# (`tests/test_autocp.py`):
+
+# %%
+s33 = load("gdn_fwd", 33)
+print(s33.STEP, s33.FUSED_AT[16])
+rule = s33.S27.S18.PIPELINE.block_v
+widths = {(H, HV): rule([32], HV, 128, 132, s33.STEP) for H, HV in ((2, 8), (4, 16), (16, 16), (8, 24), (8, 32))}
+print(widths)
+assert widths == {(2, 8): 16, (4, 16): 16, (16, 16): 16, (8, 24): 32, (8, 32): 32}
+
+# %% [markdown]
+# The library now runs s33 (bit for bit, `tests/test_promoted.py`). Its benchmark rows (one H100,
+# commit 6eedafa; the peers in the same process):
+
+# %%
+rows_6e = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("6eedafa")]
+t_6e = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows_6e}
+impls_6e = ("gdn_fwd/s29_table_in_the_cumsum", "gdn_fwd/s32_ctas_by_heads", "flashqla.chunk_gated_delta_rule",
+            "FlashQLA", "FLA (gdn_fwd/s00_fla)")
+print(f"{'problem':18s} " + " ".join(f"{n:>9s}" for n in ("s29", "s32", "API=s33", "FlashQLA", "FLA")))
+for prob in dict.fromkeys(r["problem"] for r in rows_6e):
+    print(f"{prob:18s} " + " ".join(f"{t_6e[prob, i]:9.4f}" if (prob, i) in t_6e else f"{'-':>9s}" for i in impls_6e))
+for prob in ("(2, 8) 1x2048", "(4, 16) 1x2048", "(16, 16) 1x2048"):
+    assert t_6e[prob, "flashqla.chunk_gated_delta_rule"] < 0.92 * t_6e[prob, "gdn_fwd/s29_table_in_the_cumsum"]
+    assert t_6e[prob, "flashqla.chunk_gated_delta_rule"] < t_6e[prob, "FlashQLA"]
+
+# %% [markdown]
+# On the three problems at 16 columns the forward takes 0.89-0.91x s29's time and runs 1.11-1.15x
+# FlashQLA's speed; (2, 8) 1 x 8192, which AutoCP splits, does not change.
 
 # %% [markdown]
 #
@@ -2158,3 +2232,9 @@ assert "g_cum[bos + i" not in src13 and "g_cum[bos + j * L + r, hv0 + h] = off +
 #   02d7c5e). On chapter 5's later AutoCP stages and `gate_free_solve.s09` (`gdn_fwd.s22`, commit
 #   e7a917b), FlashQLA is still ahead on 19 of the 38 problems where its timing is sound (the
 #   README's table).
+# - The solve's launch bounds are a register budget: six CTAs an SM at one head a CTA, five at two
+#   (`gate_free_solve.s12`, `s14`), a few dozen bytes of spills, 0.85x the time on (8, 24) 1 x 2048
+#   and on many-wave grids. `s13` scans g and builds the chunk table inside the solve, so the short
+#   forwards are two kernels. `gdn_fwd.s33` runs the fused kernel at 16 value columns where one wave
+#   holds them: with s30-s32, the 1 x 2048 problems go from 0.95-1.00x FlashQLA's speed to 1.00-1.15x
+#   (one H100, 6eedafa).

@@ -201,3 +201,27 @@ def test_timeline_lab_reports_the_committed_csv():
 
     assert us("API", "solve") == 24.3 and us("FlashQLA", "solve") == 17.6
     assert abs(us("API", "fused") - us("FlashQLA", "fused")) < 2
+
+
+def test_prologue_timeline_holds_what_the_stages_quote():
+    """``results/timeline_prologue.csv`` (profiles/timeline_lab.py, gdn_fwd.s31, s30, the API = s29,
+    FlashQLA) prints as 24 timelines, and holds what gate_free_solve.s13's and s12's docstrings quote:
+    on (2, 8) 1x2048 s31's one kernel 8.4 us where s30's cumsum and solve took 2.1 + 8.9; on (8, 24)
+    1x2048 s30's solve at six CTAs an SM 15.6 against the API's 20.4."""
+    import csv
+    import subprocess
+
+    path = bench.RESULTS / "timeline_prologue.csv"
+    out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "timeline_lab.py"), "report", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("== ") == 24
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def us(problem, impl, part):
+        (hit,) = [float(r["us"]) for r in rows if r["problem"] == problem and r["impl"] == impl and part in r["kernel"]]
+        return hit
+
+    assert us("(2, 8) 1x2048", "gdn_fwd.31", "solve_with_cumsum") == 8.4
+    assert (us("(2, 8) 1x2048", "gdn_fwd.30", "cumsum"), us("(2, 8) 1x2048", "gdn_fwd.30", "solve")) == (2.1, 8.9)
+    assert (us("(8, 24) 1x2048", "gdn_fwd.30", "solve"), us("(8, 24) 1x2048", "API", "solve")) == (15.6, 20.4)

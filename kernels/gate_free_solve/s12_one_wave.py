@@ -16,10 +16,13 @@ costs a whole CTA's latency. 19.8 us in the forward against FlashQLA's 13.8
 (``results/solve_in_forward.csv``, ``results/timeline.csv``; one H100). At six an SM, 792 CTAs
 are exactly one wave. Among the public problems only (8, 24) 1x2048 takes it.
 
-Measured effect: not yet run on a GPU (written with the session's GPU time spent). Its tests: the
-public shapes (at four CTAs an SM, where those small grids put it), and forced to six CTAs an SM
+Measured effect (one H100, commit ba1bffa): alone in a CUDA graph on (8, 24) 1x2048, 23.0 us at six
+CTAs an SM against 27.1 at four (gate_free_solve.s14's table, which also times five and six on
+grids of many waves); inside the forward (gdn_fwd.s30, ``results/timeline_prologue.csv``) 15.6 us against
+s29's 20.4, the forward's span 79.7 us against 84.5 (FlashQLA's 79.6). Its tests passed on the GPU:
+the public shapes (at four CTAs an SM, where those small grids put it), and forced to six CTAs an SM
 the flags past the bound and Ab and the flags bit for bit s08's on adversarial inputs
-(``tests/test_reformulation.py``); the rule (``tests/test_bench.py``).
+(``tests/test_reformulation.py``); the rule (CPU).
 
 Precision: s08's; the program is the same.
 

@@ -19,9 +19,18 @@ cumsum 1.8, its solve 6.3). The solve needs only k and beta except for a flagged
 its chunk's cumsum (eight threads a head, a few hundred cycles) costs it less than a launch that
 it must wait for. The same bits: the table and g_cum are s03's, Ab and the flags s08's.
 
-Measured effect: not yet run on a GPU (written with the session's GPU time spent). Its tests:
-the public shapes; g_cum, the table and first_chunk bit for bit s03's and Ab and the flags bit
-for bit s12's on adversarial inputs (``tests/test_reformulation.py``).
+Measured effect (inside gdn_fwd.s31's forward, one CUDA graph, one H100, commit ba1bffa,
+``results/timeline_prologue.csv``), us:
+
+    problem            s30: cumsum + solve, span    s31: this kernel, span
+    (2, 8) 1x2048         2.1 + 8.9    71.7             8.4    70.4
+    (4, 16) 1x2048        2.6 + 12.2   73.5            11.7    73.6
+    (8, 32) 1x2048        2.8 + 17.1   80.7            16.1    79.6
+    (16, 16) 1x2048       2.6 + 11.8   77.1            11.9    74.7
+
+The cumsum costs the solve kernel nothing measurable (8.4 us against s08's 8.9 alone after it). Its
+tests passed on the GPU: the public shapes; g_cum, the table and first_chunk bit for bit s03's and
+Ab and the flags bit for bit s12's on adversarial inputs (``tests/test_reformulation.py``).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

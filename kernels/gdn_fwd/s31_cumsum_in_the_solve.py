@@ -11,9 +11,12 @@ Why: on the short problems, where s08's kernel runs, the forward is the prologue
 kernel; the cumsum is a launch of its own (2.0-2.9 us in a graph, one H100, 4c2e89f) that the
 solve waits for, though the solve needs only k and beta but for a flagged head's gate.
 
-Measured effect: not yet run on a GPU (written with the session's GPU time spent). Its tests: the
-public shapes; bit for bit against s30 (the same table, g_cum, Ab and flags), eagerly and from a
-CUDA graph (``tests/test_autocp.py``).
+Measured effect (one H100, commit ba1bffa, the same run; ms): (2, 8) 1x2048 0.0726 against s30's
+0.0719, (4, 16) 0.0744 against 0.0769, (8, 24) 0.0800 against 0.0805, (16, 16) 0.0769 against 0.0781
+(FlashQLA 0.0704, 0.0755, 0.0813, 0.0885). In a graph the span is 0.3-2.4 us shorter but on (4, 16),
+where it is equal (gate_free_solve.s13's table, ``results/timeline_prologue.csv``). Its tests passed on the GPU: the public shapes; bit
+for bit against s30 (the same table, g_cum, Ab and flags), eagerly and from a CUDA graph
+(``tests/test_autocp.py``).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

@@ -9,8 +9,16 @@ Why: s08's kernel alone is up to 15 % faster at six CTAs an SM with one head a C
 many waves ((16, 16) 8x4096: 135.3 us against 144.1) and 9 % faster at five with two heads on
 (2, 8) 1x8192 (gate_free_solve.s14's table, one H100, ba1bffa).
 
-Measured effect: not yet run on a GPU. Its tests: the public shapes; bit for bit against s31,
-eagerly and from a CUDA graph (``tests/test_autocp.py``).
+Measured effect (``python -m flashqla bench``, one H100, commit 6eedafa, the same run), ms:
+
+    problem            s29      s32      FlashQLA   FLA
+    (2, 8) 1x2048     0.0724   0.0685   0.0714    0.0822
+    (2, 8) 1x8192     0.1535   0.1520   0.1672    0.2635
+    (4, 16) 1x2048    0.0761   0.0758   0.0758    0.1032
+
+s31 was not in that run (against s30 at ba1bffa: s31's docstring). (16, 16) 8x4096, the many-wave
+grid where the solve alone gains most, was not timed. Its tests passed on the GPU: the public
+shapes; bit for bit against s31, eagerly and from a CUDA graph (``tests/test_autocp.py``).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

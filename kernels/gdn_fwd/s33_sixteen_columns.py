@@ -23,8 +23,19 @@ the same bits, a column's chain does not depend on the others):
 
 ``STEP[16]`` is s17's step at 32 (0.85) times the geomean of the one-wave ratios (0.867).
 
-Measured effect: not yet run on a GPU. Its tests: the public shapes; bit for bit against s32,
-eagerly and from a CUDA graph (``tests/test_autocp.py``).
+Measured effect (``python -m flashqla bench``, one H100, commit 6eedafa; the API, which runs s33's
+kernels bit for bit, ``tests/test_promoted.py``), ms:
+
+    problem            s29      s32      s33 (API)   FlashQLA   FLA
+    (2, 8) 1x2048     0.0724   0.0685   0.0621      0.0714    0.0822
+    (4, 16) 1x2048    0.0761   0.0758   0.0677      0.0758    0.1032
+    (16, 16) 1x2048   0.0791      -     0.0719      0.0801    0.1092
+    (2, 8) 1x8192     0.1535   0.1520   0.1533      0.1672    0.2635   (split: no change)
+    (8, 24) 1x2048    0.0859      -     0.0809      0.0807    0.1228   (BV 32: s32's gain)
+
+On the three problems that go to 16 columns the forward is 0.89-0.91x s32's time (or s29's) and
+1.11-1.15x FlashQLA's speed. Its tests passed on the GPU: the public shapes; bit for bit against
+s32, eagerly and from a CUDA graph (``tests/test_autocp.py``).
 
 Taught in: notebooks/04_reformulation.py ("Narrow CTAs for few heads")
 """
