@@ -925,20 +925,24 @@ assert "_cumsum(HV)(g, seqs" in src29 and "chunk_table(" not in src29 and ".chun
 # graph (`profiles/timeline_lab.py`) put the cumsum with its table at 2.0-2.9 us, where the table
 # kernel took 3.3-3.6 and s02's cumsum 4.0-4.6 after it; the span fell 2.4-2.7 us on (2, 8),
 # (4, 16) and (8, 32) 1 x 2048. The library now runs s29 (bit for bit, `tests/test_promoted.py`).
-# Its benchmark rows (one H100, commit cf060dc, the API = s29; the peers in the same process)
-# against the same problems' rows before it (s28's docstring, or s27's where s28 did not time it):
+# Its benchmark rows (one H100, commit cf060dc, the API = s29; the peers in the same process; from
+# s29's docstring, as later runs replace them in the CSV) against the same problems' rows before it
+# (s28's docstring, or s27's where s28 did not time it):
 
 # %%
-run29 = [r for r in rows_fwd if r["commit"].startswith("cf060dc") and r["ms"]]
-t29 = {(r["problem"], r["impl"]): float(r["ms"]) for r in run29}
+doc29 = s29.__doc__
+table29 = doc29[doc29.index("    problem            API"):doc29.index("Taught in")]
+t29 = {}
+for line in table29.splitlines()[1:]:
+    if line.strip():
+        *label, api_ms, flashqla_ms, fla_ms = line.split()
+        t29[" ".join(label)] = dict(API=float(api_ms), FlashQLA=float(flashqla_ms), FLA=float(fla_ms))
 print(f"{'problem':18s} {'API':>7s} {'FlashQLA':>9s} {'vs FlashQLA':>12s}   before")
-for label in dict.fromkeys(r["problem"] for r in run29):
-    short = bench.short_label(label)
-    old = t28.get(short) or t27.get(short)
+for label, t in t29.items():
+    old = t28.get(label) or t27.get(label)
     before = f"{old['FlashQLA'] / old['API']:.2f}x" if old else "-"
-    print(f"{short:18s} {t29[label, API_ROW]:7.4f} {t29[label, 'FlashQLA']:9.4f} "
-          f"{t29[label, 'FlashQLA'] / t29[label, API_ROW]:11.2f}x   {before}")
-assert t29["(2, 8) 1x2048", API_ROW] < t27["(2, 8) 1x2048"]["API"]
+    print(f"{label:18s} {t['API']:7.4f} {t['FlashQLA']:9.4f} {t['FlashQLA'] / t['API']:11.2f}x   {before}")
+assert t29["(2, 8) 1x2048"]["API"] < t27["(2, 8) 1x2048"]["API"]
 
 # %% [markdown]
 # (2, 8) 1 x 2048 goes from 0.91x FlashQLA's speed (s26's kernels) to 0.95x, (16, 16) 1 x 2048 from

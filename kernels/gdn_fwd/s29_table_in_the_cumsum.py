@@ -21,6 +21,18 @@ benchmark (graph replay, ms): (2, 8) 1x2048 0.0724 against s28's 0.0748 (FlashQL
 public shapes; AutoCP's tests of the stage; bit for bit against s28 (the same kernels after the
 cumsum, reading an equal table), eager and replayed from a CUDA graph. Promoted.
 
+The library on it (one H100, commit cf060dc, graph replay; later runs replace these rows in the
+CSV), ms:
+
+    problem            API      FlashQLA  FLA
+    (2, 8) 1x2048      0.0735   0.0699    0.0826
+    (4, 16) 1x2048     0.0760   0.0762    0.1045
+    (8, 32) 1x2048     0.0833   0.0851    0.1410
+    (16, 32) 1x2048    0.0864   0.0895    0.1488
+    (8, 24) 1x2048     0.0856   0.0827    0.1232
+    (16, 16) 1x2048    0.0811   0.0799    0.1099
+    (16, 16) 8x4096    0.3787   0.3593    1.1323
+
 Taught in: notebooks/05_autocp.py (section 17)
 """
 
