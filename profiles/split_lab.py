@@ -3,14 +3,14 @@ the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24|29] [--heads H,HV ...]
-        [--problems LABEL ...] [--commit SHA]
+    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24|29|33] [--heads H,HV ...]
+        [--problems LABEL ...] [--ls L ...] [--commit SHA]
 
 For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
 ``cp=L`` for each L of LS whose segments are at most a third of the longest sequence (L = 0:
 ``cp=False``, the unsplit launch) and for the rules' two candidates, L0 (the shortest L whose
 segments fill two phase-3 CTAs an SM, ``gdn_fwd.s18.segment_chunks``) and 2 L0, where they leave
-two segments or more, ``gdn_fwd.sNN auto`` (the rule), the stage before it
+two segments or more, and each L of ``--ls`` that leaves two segments or more, ``gdn_fwd.sNN auto`` (the rule), the stage before it
 (PREVIOUS, its own rule) and ``FlashQLA``; ``flashqla.bench.time_row``
 (CUDA-graph replay over input sets that exceed twice the L2 cache, median). ``rel_err``: the
 split's o and final state against the unsplit launch's (relative L2, the larger), which the
@@ -40,10 +40,10 @@ PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
     # no rule splits them; the unsplit launch leaves SMs idle (96 CTAs at BV 64 on (16, 48))
     Problem(16, 48, (32768,)), Problem(16, 48, (8192,)), Problem(16, 64, (32768,))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
-PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23, 29: 28}  # the stage whose split a stage's sweep is compared with
+PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23, 29: 28, 33: 29}  # the stage whose split a stage's sweep is compared with
 
 
-def measure(out: Path, heads, commit: str, stage: int, labels=()) -> int:
+def measure(out: Path, heads, commit: str, stage: int, labels=(), extra_ls=()) -> int:
     import torch
 
     from flashqla import autocp, bench, stages
@@ -66,7 +66,7 @@ def measure(out: Path, heads, commit: str, stage: int, labels=()) -> int:
         seq_chunks = [-(-n // 64) for n in p.lengths]
         L0 = s18.segment_chunks(seq_chunks, p.HV, sms, 0.0, True)
         Ls = {L for L in LS if 3 * 64 * L <= max(p.lengths)}
-        Ls |= {L for L in (L0, 2 * L0) if -(-max(seq_chunks) // L) >= 2}
+        Ls |= {L for L in (L0, 2 * L0, *extra_ls) if -(-max(seq_chunks) // L) >= 2}
         impls = [(name, L, lambda y, L=L: mod.forward(**y, cp=L if L else False)) for L in sorted(Ls)]
         impls += [(f"{name} auto", "", lambda y: mod.run(**y)),
                   (f"gdn_fwd.s{PREVIOUS[stage]}", "", lambda y: prev.run(**y)),
@@ -107,6 +107,7 @@ if __name__ == "__main__":
     ap.add_argument("csv", type=Path)
     ap.add_argument("--heads", nargs="*", default=[], help="only these, e.g. 16,16 2,8")
     ap.add_argument("--problems", nargs="*", default=[], help='only these, e.g. "(8, 32) 1x8192"')
+    ap.add_argument("--ls", nargs="*", type=int, default=[], help="segment lengths to time besides LS")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--stage", type=int, default=18, choices=sorted(PREVIOUS))
     ap.add_argument("--report", action="store_true", help="print the table of an existing CSV")
@@ -115,4 +116,4 @@ if __name__ == "__main__":
         print(report(a.csv, a.stage))
         sys.exit(0)
     sys.exit(measure(a.csv, {tuple(int(n) for n in h.split(",")) for h in a.heads}, a.commit, a.stage,
-                     set(a.problems)))
+                     set(a.problems), a.ls))
