@@ -225,3 +225,63 @@ def test_prologue_timeline_holds_what_the_stages_quote():
     assert us("(2, 8) 1x2048", "gdn_fwd.31", "solve_with_cumsum") == 8.4
     assert (us("(2, 8) 1x2048", "gdn_fwd.30", "cumsum"), us("(2, 8) 1x2048", "gdn_fwd.30", "solve")) == (2.1, 8.9)
     assert (us("(8, 24) 1x2048", "gdn_fwd.30", "solve"), us("(8, 24) 1x2048", "API", "solve")) == (15.6, 20.4)
+
+
+def _role_timeline_lab():
+    sys.path.insert(0, str(bench.RESULTS.parent))
+    try:
+        import role_timeline_lab
+    finally:
+        sys.path.pop(0)
+    return role_timeline_lab
+
+
+FAKE_KERNEL = """extern "C" __global__ void __launch_bounds__(512, 1) k(float* ht, int num_seqs) {
+  if (((int)threadIdx.x) < 128) {
+    for (int c = 0; c < 4; ++c) {
+      bar_a[0].wait((c & 1));
+      tl::__sync_thread_partial(3, 128);
+      {
+        tl::warpgroup_arrive();
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+      }
+      bar_b[0].arrive();
+    }
+  }
+}
+"""
+
+
+def test_role_timeline_lab_stamps_every_wait_sync_gemm_and_arrive():
+    """profiles/role_timeline_lab.py: a stamp before and after each mbarrier wait and named barrier,
+    around each wgmma batch, after each arrive, and the clock and timer stamps first and last."""
+    lab = _role_timeline_lab()
+    code, sites = lab.instrument(FAKE_KERNEL, state_elems=16, cap=100)
+    assert sites == [("wait", "bar_a"), ("done", "bar_a"), ("sync", "named barrier"), ("done", "named barrier"),
+                     ("gemm", "gemm"), ("done", "gemm"), ("arrive", "bar_b")]
+    body = code.split("\n")
+    at = {s.strip(): i for i, s in enumerate(body)}
+    assert at["FQ_STAMP(0);"] + 1 == at["bar_a[0].wait((c & 1));"] == at["FQ_STAMP(1);"] - 1
+    assert at["FQ_STAMP(4);"] + 1 == at["tl::warpgroup_arrive();"]
+    assert at["tl::warpgroup_wait<0>();"] + 1 == at["FQ_STAMP(5);"]
+    assert at["bar_b[0].arrive();"] + 1 == at["FQ_STAMP(6);"]
+    last = [s.strip() for s in body if s.strip()][-3:]
+    assert last == [f"FQ_STAMP_ANY({lab.CLOCK_SITE}, clock64());", f"FQ_STAMP_ANY({lab.TIMER_SITE}, fq_globaltimer());",
+                    "}"]
+    with pytest.raises(ValueError, match="__launch_bounds__"):
+        lab.instrument("__global__ void k() {}", 16, 100)
+
+
+def test_role_timeline_lab_attributes_each_interval_to_its_first_stamp():
+    lab = _role_timeline_lab()
+    sites = [("wait", "bar_a"), ("done", "bar_a"), ("gemm", "gemm"), ("done", "gemm"), ("arrive", "bar_b")]
+    word = lambda site, t: site << lab.SITE_BITS | t
+    words = [word(lab.TIMER_SITE, 5000), word(lab.CLOCK_SITE, 100), word(0, 110), word(1, 150), word(2, 160),
+             word(3, 200), word(4, 205), word(lab.CLOCK_SITE, 230), word(lab.TIMER_SITE, 5065), 0, 0]
+    spent, span, ns, events = lab.activities(words, sites)
+    # work: 100-110, 150-160 (after the wait ended), 200-205, 205-230 (after the arrive)
+    assert spent == {"work": 10 + 10 + 5 + 25, "wait bar_a": 40, "gemm": 40}
+    assert (span, ns, len(events)) == (130, 65, 5)
+    with pytest.raises(AssertionError, match="cap"):
+        lab.activities(words[:-4], sites)
