@@ -114,7 +114,8 @@ def instrument(code: str, state_elems: int, cap: int) -> tuple[str, list[tuple[s
 def activities(words, sites):
     """One warpgroup's stamps (uint64 words, in order) -> ({activity: cycles}, span cycles,
     span ns, [(site, cycle)])."""
-    stamps = [(int(w) >> SITE_BITS, int(w) & ((1 << SITE_BITS) - 1)) for w in words if w]
+    words = [int(w) & ((1 << 64) - 1) for w in words if w]  # torch's int64 reads sites >= 2^15 as negative
+    stamps = [(w >> SITE_BITS, w & ((1 << SITE_BITS) - 1)) for w in words]
     timers = [t for s, t in stamps if s == TIMER_SITE]
     clocks = [t for s, t in stamps if s == CLOCK_SITE]
     events = [(s, t) for s, t in stamps if s < CLOCK_SITE - 1]

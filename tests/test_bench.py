@@ -279,7 +279,7 @@ def test_role_timeline_lab_attributes_each_interval_to_its_first_stamp():
     word = lambda site, t: site << lab.SITE_BITS | t
     words = [word(lab.TIMER_SITE, 5000), word(lab.CLOCK_SITE, 100), word(0, 110), word(1, 150), word(2, 160),
              word(3, 200), word(4, 205), word(lab.CLOCK_SITE, 230), word(lab.TIMER_SITE, 5065), 0, 0]
-    spent, span, ns, events = lab.activities(words, sites)
+    spent, span, ns, events = lab.activities(torch.tensor(words, dtype=torch.uint64).view(torch.int64).tolist(), sites)
     # work: 100-110, 150-160 (after the wait ended), 200-205, 205-230 (after the arrive)
     assert spent == {"work": 10 + 10 + 5 + 25, "wait bar_a": 40, "gemm": 40}
     assert (span, ns, len(events)) == (130, 65, 5)
