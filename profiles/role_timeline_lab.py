@@ -128,13 +128,12 @@ def activities(words, sites):
     return spent, clocks[1] - clocks[0], timers[1] - timers[0], events
 
 
-def stamped_kernel(builder, shape, num_chunks):
-    """The library's ``builder(*shape)`` compiled with stamps: a callable with the kernel's
+def stamped_kernel(builder, shape, num_chunks, pass_configs):
+    """``builder(*shape)`` compiled with stamps (and ``pass_configs``): a callable with the kernel's
     arguments, keeping each call's stamps (uint64, [CTAs * 4, cap]) in ``.stamps``; and its sites."""
     import tilelang
     import torch
 
-    from flashqla import fwd
     from flashqla.hopper import compile_hopper, dependent_launch
 
     H, HV, K, V, BV = shape
@@ -150,7 +149,7 @@ def stamped_kernel(builder, shape, num_chunks):
     tilelang.disable_cache()
     tilelang.register_cuda_postproc(post)
     try:
-        kernel = compile_hopper(dependent_launch(builder(*shape)), fwd.PASS_CONFIGS.get(builder))
+        kernel = compile_hopper(dependent_launch(builder(*shape)), pass_configs)
     finally:
         tilelang.register_cuda_postproc(lambda code, target: code)
         tilelang.enable_cache()
@@ -171,11 +170,11 @@ def stamped_kernel(builder, shape, num_chunks):
     return Stamped()
 
 
-def measure(out: Path, events_out: Path | None, commit: str, labels=()) -> int:
+def measure(out: Path, events_out: Path | None, commit: str, labels=(), stage: int | None = None) -> int:
     import torch
 
     import flashqla
-    from flashqla import bench, fwd
+    from flashqla import bench, fwd, stages
 
     meta = dict(bench.versions(commit), method="clock64 stamps of warpgroup thread 0, one eager forward")
     rows, event_rows = [], []
@@ -183,28 +182,44 @@ def measure(out: Path, events_out: Path | None, commit: str, labels=()) -> int:
         if labels and bench.short_label(p.label) not in labels:
             continue
         x = p.inputs("cuda", seed=0)
-        want = flashqla.chunk_gated_delta_rule(**x)
+        cap_chunks = -(-max(p.lengths) // 64)
         used = {}
-        library = fwd._compiled
+        if stage is None:  # the library: its _compiled hands out the stamped fused kernel
+            want = flashqla.chunk_gated_delta_rule(**x)
+            library = fwd._compiled
 
-        def patched(builder, *shape):
-            if builder in (fwd.fused_state_value_kernel, fwd.fused_reform_kernel):
-                if (builder, shape) not in used:
-                    used[builder, shape] = stamped_kernel(builder, shape, -(-max(p.lengths) // 64))
-                return used[builder, shape]
-            return library(builder, *shape)
+            def patched(builder, *shape):
+                if builder in (fwd.fused_state_value_kernel, fwd.fused_reform_kernel):
+                    if (builder, shape) not in used:
+                        used[builder, shape] = stamped_kernel(builder, shape, cap_chunks, fwd.PASS_CONFIGS[builder])
+                    return used[builder, shape]
+                return library(builder, *shape)
 
-        fwd._compiled = patched
-        try:
-            got = flashqla.chunk_gated_delta_rule(**x)
+            fwd._compiled = patched
+            try:
+                got = flashqla.chunk_gated_delta_rule(**x)
+                torch.cuda.synchronize()
+            finally:
+                fwd._compiled = library
+        else:  # a gdn_fwd stage from s34 on: its forward takes the compiled wide kernel as ``fused``
+            mod = stages.load("gdn_fwd", stage)
+            want = mod.forward(**x)
+
+            def stamped_wide(*shape):
+                if shape[4] < 64:
+                    raise ValueError(f"{p.label}: --stage stamps only the wide kernel (BV 64, 128); got BV {shape[4]}")
+                if (mod.fused_state_value_kernel, shape) not in used:
+                    used[mod.fused_state_value_kernel, shape] = stamped_kernel(
+                        mod.fused_state_value_kernel, shape, cap_chunks, mod.S27.FUSED_CONFIGS)
+                return used[mod.fused_state_value_kernel, shape]
+
+            got = mod.forward(**x, fused=stamped_wide)
             torch.cuda.synchronize()
-        finally:
-            fwd._compiled = library
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
             f"{p.label}: the stamped kernel changed the forward's result"
         ((builder, shape), stamped), = used.items()
-        name = {fwd.fused_state_value_kernel: "gdn_fused_state_value_kernel",
-                fwd.fused_reform_kernel: "gdn_fused_ws_lean_kernel"}[builder]
+        name = "gdn_fused_ws_lean_kernel" if builder is fwd.fused_reform_kernel else "gdn_fused_state_value_kernel"
+        impl = "API" if stage is None else f"gdn_fwd.s{stage}"
         roles, BV = ROLES[name], shape[4]
         totals = {}
         for cta in range(stamped.stamps.shape[0] // 4):
@@ -227,13 +242,13 @@ def measure(out: Path, events_out: Path | None, commit: str, labels=()) -> int:
                     for s, c in ev:
                         if lo * per <= c - t0 < hi * per:
                             kind, site = stamped.sites[s]
-                            event_rows.append(dict(problem=p.label, kernel=name, block_v=BV, role=role, site=s,
+                            event_rows.append(dict(problem=p.label, impl=impl, kernel=name, block_v=BV, role=role, site=s,
                                                    kind=kind, name=site, cycle=c - t0, **meta))
         for role in roles:
             t = totals[role]
             span = t["span"] / t["ctas"]
             for key, cycles in sorted(t["spent"].items(), key=lambda kv: -kv[1]):
-                rows.append(dict(problem=p.label, kernel=name, block_v=BV, role=role, activity=key,
+                rows.append(dict(problem=p.label, impl=impl, kernel=name, block_v=BV, role=role, activity=key,
                                  cycles_per_chunk=round(cycles / t["ctas"]),
                                  share=round(cycles / t["ctas"] / span, 3),
                                  span_cycles_per_chunk=round(span), span_ns_per_chunk=round(t["ns"] / t["ctas"]),
@@ -249,11 +264,11 @@ def measure(out: Path, events_out: Path | None, commit: str, labels=()) -> int:
 
 
 def report_rows(rows) -> str:
-    """Per problem and role: the span per chunk, then each activity's cycles and share."""
+    """Per problem, implementation and role: the span per chunk, then each activity's cycles and share."""
     lines = []
-    for label in dict.fromkeys(r["problem"] for r in rows):
-        mine = [r for r in rows if r["problem"] == label]
-        lines.append(f"{label}: {mine[0]['kernel']} at BV {mine[0]['block_v']}, cycles per chunk")
+    for label, impl in dict.fromkeys((r["problem"], r["impl"]) for r in rows):
+        mine = [r for r in rows if (r["problem"], r["impl"]) == (label, impl)]
+        lines.append(f"{label}, {impl}: {mine[0]['kernel']} at BV {mine[0]['block_v']}, cycles per chunk")
         for role in dict.fromkeys(r["role"] for r in mine):
             rr = [r for r in mine if r["role"] == role]
             lines.append(f"  {role:14s} span {rr[0]['span_cycles_per_chunk']:>6} ({rr[0]['span_ns_per_chunk']} ns): "
@@ -268,9 +283,10 @@ if __name__ == "__main__":
     ap.add_argument("--events", type=Path, default=None, help="one CTA's stamps for a window of chunks")
     ap.add_argument("--problems", nargs="*", default=[], help='only these, e.g. "(16, 64) 1x8192"')
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--stage", type=int, default=None, help="a gdn_fwd stage (34 on) instead of the library")
     a = ap.parse_args()
     if a.mode == "report":
         with open(a.csv) as f:
             print(report_rows(list(csv.DictReader(f))))
         sys.exit(0)
-    sys.exit(measure(a.csv, a.events, a.commit, set(a.problems)))
+    sys.exit(measure(a.csv, a.events, a.commit, set(a.problems), a.stage))
