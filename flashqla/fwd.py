@@ -3,8 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s33's
-pipeline: s32's with a fourth width, 16 value columns a CTA of the fused kernel where one wave holds
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s34's
+pipeline: s33's with the wide fused kernel's scores / output warpgroup lighter (O's TMA store left
+running, Gamma built while Q K^T runs, O's row factor from the producer's exp(g)). s33's is s32's
+with a fourth width, 16 value columns a CTA of the fused kernel where one wave holds
 them. s32's is s29's with the chunk table and the cumsum made in the solve's prologue where a CTA
 solves one or two value heads (gate_free_solve.s13, s31), compiled at six or five CTAs an SM
 (gate_free_solve.s14); with three or four heads a CTA, s29's first kernel (chunk_local_cumsum.s03)
@@ -97,15 +99,18 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                        and 0.49-6.30x FlashQLA (geomean 1.51x,
                                                        0.90x); (16, 64) 1 x 32768: 1.739 ms,
                                                        FlashQLA 1.532, FLA 3.456
-    gdn_fwd.s16 (fused,      the same inputs and outputs, at BV = 64 or 128: S alone in a state
-     64 and 128)                                       warpgroup (s14), so one CTA may own all 128
+    gdn_fwd.s34 (fused,      the same inputs and outputs, at BV = 64 or 128: s16's kernel, S alone
+     64 and 128)                                       in a state warpgroup (s14), so one CTA may own all 128
                                                        value columns of a head; O stored by TMA, a
                                                        whole chunk at a time. 0.84-0.99x s12's kernel
                                                        time at 64, 0.78-0.87x s14's at 128; at 128
                                                        0.66-0.73x s12's best where the lengths give
                                                        enough waves (8 x 4096 of all layouts but
                                                        (2, 8) and (8, 24); 4 x H100, 51893cc,
-                                                       kernel_width.csv)
+                                                       kernel_width.csv). s34: O's store, Gamma
+                                                       and O's row factor off the scores / output
+                                                       warpgroup's path: 0.97-0.99x s33's forward
+                                                       (one H100, 60ac878)
 
 ``forward`` takes the sequence bounds (``flashqla.varlen.seq_bounds``; the chunk table comes from
 the cumsum) and AutoCP's plan (``flashqla.autocp``:
@@ -1346,7 +1351,7 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
     return gdn_fused_ws_lean
 
 
-# ---- promoted from kernels/gdn_fwd/s16_output_by_tma_store.py (roles renamed WIDE_...)
+# ---- promoted from kernels/gdn_fwd/s34_output_overlap.py (s16's roles, renamed WIDE_...)
 def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
     state per CTA (32, 64 or 128); any token or sequence count."""
@@ -1496,8 +1501,10 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                     T.barrier_wait(bar_state_ready, (c - 1) % 2)
                                     T.gemm(q_s[b, :, :], h_s, o_f, clear_accum=True)
                                     T.barrier_arrive(bar_state_free)
+                                    # the row factor scale exp(g_i): the producer's exp(g) (one
+                                    # exp2 a row, not one an element)
                                     for i, j in T.Parallel(C, BV):
-                                        o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[b, i]))
+                                        o_f[i, j] = o_f[i, j] * (scale * eg_s[b, i])
                                     # this warpgroup is done with chunk c - 1's tiles (P_{c-1} is in
                                     # p_shared): the producer may load chunk c + 1 while the chain
                                     # still runs chunk c - 1
@@ -1505,13 +1512,18 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                 if c < num_seq_chunks:
                                     keep = gated[row0 + c, i_hv]
                                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
+                                    # P <- Q K^T, issued without waiting: Gamma is built while
+                                    # the tensor cores run it
+                                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True,
+                                                 clear_accum=True)
                                     # Gamma <- exp(g_i - g_j), the exponent clamped at 0 so that
                                     # the upper triangle (masked below) stays finite: no branch
                                     for i, j in T.Parallel(C, C):
                                         gam_f[i, j] = T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
+                                    T.wait_wgmma(0)
+                                    # P's reads stay after the wait (a thread's 32 registers of P)
+                                    T.warpgroup_fence_operand(p_f, num_regs=C * C // WARPGROUP)
                                     # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal
-                                    T.gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True,
-                                           clear_accum=True)
                                     for i, j in T.Parallel(C, C):
                                         p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
                                     T.copy(p_f, p_s[s, :, :])
@@ -1535,15 +1547,19 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                     T.gemm(p_s[b, :, :], vn_s, o_f)
                                     T.barrier_arrive(bar_vn_free)
                                     # o[t0 : t0 + n] <- O through shared memory: a whole chunk by one
-                                    # TMA store (the async proxy: this warpgroup's next fence does
-                                    # not wait for it), a sequence's partial last chunk row by row
+                                    # TMA store, left running (its wait is the next chunk's, just
+                                    # before o_shared is written again), a sequence's partial last
+                                    # chunk row by row
+                                    T.tma_store_wait()
                                     T.copy(o_f, o_s)
                                     if eos - t0 >= C:
-                                        T.copy(o_s, o[t0:t0 + C, i_hv, v0:v0 + BV])
+                                        T.fence_proxy_async()
+                                        T.tma_copy(o_s, o[t0:t0 + C, i_hv, v0:v0 + BV])
                                     else:
                                         for i, j in T.Parallel(C, BV):
                                             if i < eos - t0:
                                                 o[t0 + i, i_hv, v0 + j] = o_s[i, j]
+                T.tma_store_wait()  # the last chunk's store has read o_shared before the CTA ends
 
             elif tx >= WIDE_SCORES_END:  # ---- the producer warpgroup
                 T.set_max_nreg(REGS_PRODUCER, 0)

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s33) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s34) gives."""
 
 import functools
 import sys
@@ -28,8 +28,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (2, 8, 128, 128, 32)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (4, 16, 128, 128, 16)),
-    (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
-    (fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 32, 128, 128, 64)),
+    (fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
+    (fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 32, 128, 128, 64)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
     # library's BV
     (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
@@ -69,21 +69,24 @@ def test_solve_groups_value_heads_as_its_stage():
     assert changed == {1, 2}
 
 
-# the kernel of gdn_fwd.s27 (s33's after its prologue, as programmatic dependents) that each forward
+# the kernel of gdn_fwd.s27 (s34's after its prologue, as programmatic dependents) that each forward
 # stage's builder is compiled as
 S27_KERNEL = {("gate_free_solve", 6): "solve", ("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
-              ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow", ("gdn_fwd", 16): "fused"}
+              ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow"}
 
 
-def compile_as_s33(stage, shape):
-    """Compile a forward stage's builder as gdn_fwd.s33 (the library's forward) compiles it: the cumsum
-    as s29, the cumsum-and-solve kernel as s31 at gate_free_solve.s14's CTAs an SM, the rest as s27."""
-    s33 = load("gdn_fwd", 33)
+def compile_as_s34(stage, shape):
+    """Compile a forward stage's builder as gdn_fwd.s34 (the library's forward) compiles it: the cumsum
+    as s29, the cumsum-and-solve kernel as s31 at gate_free_solve.s14's CTAs an SM, the wide fused
+    kernel as s34, the rest as s27."""
+    s34 = load("gdn_fwd", 34)
     if stage == ("chunk_local_cumsum", 3):
-        return s33.S32.S31.S30.S29._cumsum.__wrapped__(*shape)
+        return s34.S33.S32.S31.S30.S29._cumsum.__wrapped__(*shape)
     if stage == ("gate_free_solve", 13):
-        return s33.S32.S31._cumsum_solve.__wrapped__(*shape, s33.S32.SOLVE.ctas_per_sm(shape[2]))
-    return s33.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
+        return s34.S33.S32.S31._cumsum_solve.__wrapped__(*shape, s34.S33.S32.SOLVE.ctas_per_sm(shape[2]))
+    if stage == ("gdn_fwd", 34):
+        return s34._wide.__wrapped__(*shape)
+    return s34.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
 
 
 def record_compiles(monkeypatch) -> list:
@@ -100,14 +103,14 @@ def test_promoted_kernel_compiles_with_the_stage_options(builder, stage, stage_b
                                                          monkeypatch):
     """The library compiles each kernel with its stage's target and pass configs (the fused forward
     kernel and the backward's walk are only correct without shared-memory reuse), and the stage
-    compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s33
+    compiles the same program (for the walk: with the library's BV); each forward kernel as gdn_fwd.s34
     compiles it (a programmatic dependent; the solve at its launch bounds). tilelang.compile is replaced by a recorder: nothing is
     compiled."""
     calls = record_compiles(monkeypatch)
     sys.modules[builder.__module__]._compiled.__wrapped__(builder, *shape)
     module = load(*stage)
     if builder.__module__ == fwd.__name__:
-        compile_as_s33(stage, shape)
+        compile_as_s34(stage, shape)
     elif stage_builder in STAGE_COMPILE:
         getattr(module, STAGE_COMPILE[stage_builder]).__wrapped__(*shape[:2])  # (H, HV) or (HV,)
     else:
@@ -131,16 +134,16 @@ def test_promoted_compile_check_catches_other_launch_bounds(monkeypatch):
     calls = record_compiles(monkeypatch)
     monkeypatch.setattr(fwd, "SOLVE_CTAS_PER_SM", {1: 4, 2: 4})
     fwd._compiled.__wrapped__(fwd.gate_free_solve_with_cumsum_kernel, 16, 16, 1)
-    compile_as_s33(("gate_free_solve", 13), (16, 16, 1))
+    compile_as_s34(("gate_free_solve", 13), (16, 16, 1))
     assert calls[0][0] != calls[1][0]
 
 
 def test_block_v_is_the_stage_rule():
-    """The fused kernel's BV per launch is gdn_fwd.s33's rule on the lengths (s15's on s33's steps),
+    """The fused kernel's BV per launch is gdn_fwd.s34's rule on the lengths (s15's on s33's steps),
     also where equal lengths are assumed; every width is taken somewhere."""
-    s33 = load("gdn_fwd", 33)
+    s34 = load("gdn_fwd", 34)
     def stage_rule(chunks, hv, sms):
-        return s33.S27.S18.PIPELINE.block_v(chunks, hv, 128, sms, s33.STEP)
+        return s34.S27.S18.PIPELINE.block_v(chunks, hv, 128, sms, s34.STEP)
     for chunks, hv, sms in [([512], 8, 132), ([512], 64, 132), ([448, 64], 64, 132), ([448, 64], 24, 132),
                             ([64] * 8, 64, 132), ([64] * 8, 24, 132), ([64] * 8, 8, 132), ([1, 300, 7], 32, 114),
                             ([32], 8, 132), ([32], 16, 132), ([32], 24, 132)]:
@@ -170,7 +173,7 @@ def test_a_changed_kernel_is_caught():
 @pytest.mark.parametrize("module, constant, value, builder, stage, stage_builder, shape", [
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
-    (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 16), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
+    (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 32, 2)),
     (fwd, "CUMSUM_SEGMENTS", 4, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 16, 1)),
@@ -207,15 +210,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s33's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s34's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s33 = load("gdn_fwd", 33)
+    s34 = load("gdn_fwd", 34)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s33.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s34.forward)]
     run_on_threads(calls)
 
 
@@ -242,8 +245,8 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), False),        # the fused kernel on sequences
     (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # ... on segments
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
-    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128 (s16's kernel)
-    (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s16's kernel)
+    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128 (s34's kernel)
+    (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s34's kernel)
     (Problem(16, 32, (3000, 700)), False),                          # the tf32 solve (2 heads a CTA)
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
     (Problem(2, 8, (2000,)), None),                                 # ... 2 heads a CTA: few chunks
@@ -253,9 +256,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
         "solve-spread", "solve-spread-varlen", "solve-one", "narrowest"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s33's kernels in s33's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s34's kernels in s34's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 33).forward(**x, cp=cp)
+    want = load("gdn_fwd", 34).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
