@@ -1268,8 +1268,8 @@ COLS = {f"s0{n}": "gdn_fwd/" + Path(m.__file__).stem for n, m in ((3, s03), (4, 
 COLS.update(API=bench.API_ROW, FLA=bench.FLA_ROW, FlashQLA=bench.FLASHQLA_ROW)
 rows = [r for r in bench.read_csv(CSV_PATH) if r["problem"].startswith(("(16, 64)", "(16, 32)"))]
 # only the rows of the run that timed this chapter's stages, problem by problem (one process each):
-# later runs re-timed the API, the peers and the newest stages on (16, 32) (commit e7a917b) and
-# on (16, 64) 1x2048 (98a6f05), so there this table has the stages and no API or peers
+# later runs re-timed the API, the peers and the newest stages on (16, 32) (commit e7a917b), on
+# (16, 64) 1x2048 (98a6f05) and 1x32768 (6dddd4e), so there this table has the stages and no API or peers
 stage_run = {r["problem"]: r["commit"] for r in rows if r["impl"] == COLS["s03"]}
 rows = [r for r in rows if r["commit"] == stage_run[r["problem"]]]
 ms_of = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows if r["ms"]}
@@ -1277,7 +1277,8 @@ problems = list(dict.fromkeys(r["problem"] for r in rows))
 table = {p: {col: ms_of.get((p, impl)) for col, impl in COLS.items()} for p in problems}
 assert all(t[c] is not None for t in table.values() for c in ("s03", "s04", "s05", "s07"))  # every stage cell
 with_peers = {p: t for p, t in table.items() if None not in t.values()}             # and the API, FLA, FlashQLA
-assert list(with_peers) == [p for p in problems if p.startswith("(16, 64)") and p != "(16, 64) 1x2048"]
+assert list(with_peers) == [p for p in problems if p.startswith("(16, 64)")
+                            and p not in ("(16, 64) 1x2048", "(16, 64) 1x32768")]
 assert len({r["gpu"] for r in rows}) == 1                                         # one card type
 methods = {r["method"] for r in rows if r["impl"] in COLS.values()}
 print(f"{CSV_PATH.relative_to(ROOT)}: {rows[0]['gpu']}, commits "
@@ -1313,7 +1314,7 @@ assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 6
 assert all(t["s04"] < t["s05"] for p, t in table.items() if p.startswith("(16, 64)"))
 assert all(t["FlashQLA"] < min(t[c] for c in COLS if c not in ("FlashQLA", "API")) for t in with_peers.values())
 assert [short(p) for p, t in with_peers.items() if t["API"] < t["FlashQLA"]] == [
-    "(16, 64) 1x8192", "(16, 64) 1x32768", "(16, 64) 28672+4096", "(16, 64) 8x4096"]
+    "(16, 64) 1x8192", "(16, 64) 28672+4096", "(16, 64) 8x4096"]
 assert all(t["API"] < t["s05"] for p, t in with_peers.items() if not autocp_splits(p))
 assert all(t["s07"] < min(t["s03"], t["s04"], t["s05"]) for t in table.values())
 api_over_s07 = [t["s07"] / t["API"] for t in with_peers.values()]
@@ -1343,7 +1344,7 @@ fig.tight_layout()
 # (16, 32). s07, which has both, is the fastest of these stages on all ten. The API and the peers
 # appear only where they ran in the stages' process: on (16, 32) a later run (commit e7a917b, the
 # README's table) re-timed them without these stages, and on (16, 64) 1 x 2048 another (98a6f05).
-# On the other four (16, 64) problems the entry point ran s18's
+# and 1 x 32768 (6dddd4e). On the other three (16, 64) problems the entry point ran s18's
 # pipeline (s07's lineage: s12's kernel at 32 value columns a CTA and s16's, the chain split over a
 # state and a value warpgroup, at 64 and 128, the width read from the lengths; after
 # `gate_free_solve.s06`, with AutoCP, which leaves these sequences whole) and was 1.27-1.60x the
@@ -1351,7 +1352,7 @@ fig.tight_layout()
 # besides its faster kernels, the stage builds its varlen tables (bounds, chunk table) again in each
 # of its three calls (cumsum, gate-free solve, fused kernel), while the entry point builds them once,
 # with one kernel. FlashQLA stays ahead of all these stages on every (16, 64) problem here; the entry
-# point is ahead of FlashQLA on all four.
+# point is ahead of FlashQLA on all three.
 #
 # The napkin math of sections 2 and 4 against these numbers. The reformulation changes the
 # preparation (memory-bound), so its gain should track the HBM bytes it saves, whose time at the copy
@@ -2176,6 +2177,112 @@ for prob in ("(2, 8) 1x2048", "(4, 16) 1x2048", "(16, 16) 1x2048"):
 # FlashQLA's speed; (2, 8) 1 x 8192, which AutoCP splits, does not change.
 
 # %% [markdown]
+# ### Inside the fused kernel: a clock on each role (s34)
+#
+# The benchmark says how long a forward takes; Nsight Compute says the fused kernel is
+# latency-bound. Neither says which warp role the others wait for. `profiles/role_timeline_lab.py`
+# asks the kernel itself: TileLang's CUDA post-processing hook (`tilelang.register_cuda_postproc`)
+# edits the generated source so that thread 0 of each warpgroup writes `clock64()` before and after
+# every mbarrier wait and named barrier, after every arrive, and around every wgmma batch. The
+# stamps ride behind the final-state buffer, the stamped forward must give the library's bits (an
+# assert), and between two stamps a role is *waiting* on a barrier, in a *gemm*, at its *named
+# barrier*, or doing its own *work*. The stamps cost time themselves (each a clock read and a
+# store), so the spans are longer than the kernel's; the shares are what to read. The stamps on a
+# tiny made-up kernel:
+
+# %%
+import sys
+
+sys.path.insert(0, str(bench.RESULTS.parent))
+import role_timeline_lab  # noqa: E402
+
+toy = """extern "C" __global__ void __launch_bounds__(512, 1) k(float* ht, int num_seqs) {
+  bar_tiles_full[0].wait(0);
+  {
+    tl::warpgroup_arrive();
+    tl::warpgroup_wait<0>();
+  }
+  bar_vd_ready[0].arrive();
+}"""
+stamped_toy, toy_sites = role_timeline_lab.instrument(toy, state_elems=16, cap=64)
+print(stamped_toy[stamped_toy.index('extern "C"'):])
+print(toy_sites)
+assert [k for k, _ in toy_sites] == ["wait", "done", "gemm", "done", "arrive"]
+
+# %% [markdown]
+# Per chunk, on the library's kernels (commit 94d60f0, one H100) and on s34 (below; commit dac1807):
+
+# %%
+with open(bench.RESULTS / "role_timeline.csv", newline="") as f:
+    roles_rows = list(csv.DictReader(f))
+print(role_timeline_lab.report_rows(roles_rows))
+share = {(r["problem"], r["impl"], r["role"], r["activity"]): float(r["share"]) for r in roles_rows}
+waits = lambda prob, impl, role: sum(v for (p_, i_, r_, a_), v in share.items()
+                                     if (p_, i_, r_) == (prob, impl, role) and a_.startswith("wait"))
+for impl in ("API", "gdn_fwd.s34"):
+    # the scores / output warpgroup barely waits: it sets the pace; the state warpgroup waits most
+    assert waits("(16, 64) 1x8192", impl, "scores/output") < 0.12
+    assert waits("(16, 64) 1x8192", impl, "state") > 0.5
+# the narrow kernel at 16 columns: the chain warpgroup sets the pace, the output waits on it
+assert waits("(2, 8) 1x2048", "API", "chain") < 0.2 and waits("(2, 8) 1x2048", "API", "output") > 0.45
+
+# %% [markdown]
+# At 64 columns the scores / output warpgroup (Gamma, $P$, WY, then $Q S_c$, $P \tilde V$ and O's
+# store) spends 60 % of its span on its own work and 21 % in wgmma, and waits on nobody for more
+# than 3 %; the state warpgroup waits 59 % of its span for $V_d$, the value warpgroup 20 % for
+# $S_c$ and 12 % for WY. At 16 columns (s12's kernel, four roles of another cut) the chain is the
+# pacer, as chapter 4's napkin timeline said. One CTA's roles over six chunks of (16, 64) 1 x 8192,
+# from the stamps:
+
+# %%
+with open(bench.RESULTS / "role_timeline_events.csv", newline="") as f:
+    events = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192" and r["impl"] == "API"]
+order = ["producer", "scores/output", "value", "state"]
+colour = {"wait": "#dddddd", "sync": "#bbbbbb", "gemm": "tab:red", "work": "tab:blue"}
+fig, ax = plt.subplots(figsize=(13, 3))
+for y, role in enumerate(order):
+    ev = [(r["kind"], int(r["cycle"])) for r in events if r["role"] == role]
+    for (kind, t), (_, t_next) in zip(ev, ev[1:]):
+        what = kind if kind in ("wait", "sync", "gemm") else "work"
+        ax.broken_barh([(t, t_next - t)], (y - 0.4, 0.8), color=colour[what])
+ax.set_yticks(range(len(order)), order)
+ax.set_xlabel("cycles (one CTA, clock64)")
+for what, c in colour.items():
+    ax.plot([], [], color=c, lw=6, label={"sync": "named barrier"}.get(what, what))
+ax.legend(ncol=4, loc="upper right", fontsize=8)
+ax.set_title("gdn_fused_state_value_kernel at BV 64: grey = waiting")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# So the scores / output warpgroup is the one to lighten. `gdn_fwd.s34` makes three edits there,
+# nothing else: O's TMA store is left running (its wait moves to just before the next chunk writes
+# o_shared), $Q K^\top$ is issued without waiting (`T.wgmma_gemm`, `T.wait_wgmma`) so that Gamma's
+# exponentials run beside it, and O's row factor uses the producer's $e^{g}$ instead of one exp2 an
+# element. The bits do not change (`tests/test_autocp.py`). The store's wait:
+
+# %%
+s34 = load("gdn_fwd", 34)
+src34 = inspect.getsource(s34.fused_state_value_kernel)
+print(src34[src34.index("# o[t0 : t0 + n] <- O"):src34.index("elif tx >= SCORES_END")].rstrip())
+assert "T.tma_copy(o_s, o[t0:t0 + C" in src34 and "T.wgmma_gemm(q_s" in src34
+
+# %% [markdown]
+# It is a small step: the stamps put the store's tail at 490-670 cycles a chunk before and 190-360
+# after, but the region that builds $P$ and WY (about 1300-1500 cycles, its stores to shared memory
+# and Ab's loads) stays, and the forward takes 0.97-0.99x s33's time. The library runs s34 (bit for
+# bit, `tests/test_promoted.py`); the benchmark's rows of that commit (one H100, 6dddd4e):
+
+# %%
+rows_6d = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("6dddd4e")]
+t_6d = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows_6d}
+impls_6d = ("gdn_fwd/s34_output_overlap", "flashqla.chunk_gated_delta_rule", "FlashQLA", "FLA (gdn_fwd/s00_fla)")
+print(f"{'problem':20s} " + " ".join(f"{n:>9s}" for n in ("s34", "API=s34", "FlashQLA", "FLA")))
+for prob in dict.fromkeys(r["problem"] for r in rows_6d):
+    print(f"{prob:20s} " + " ".join(f"{t_6d[prob, i]:9.4f}" if (prob, i) in t_6d else f"{'-':>9s}" for i in impls_6d))
+assert t_6d["(16, 64) 1x32768", "flashqla.chunk_gated_delta_rule"] < t_6d["(16, 64) 1x32768", "FlashQLA"]
+
+# %% [markdown]
 #
 # ## Summary
 #
@@ -2238,3 +2345,7 @@ for prob in ("(2, 8) 1x2048", "(4, 16) 1x2048", "(16, 16) 1x2048"):
 #   forwards are two kernels. `gdn_fwd.s33` runs the fused kernel at 16 value columns where one wave
 #   holds them: with s30-s32, the 1 x 2048 problems go from 0.95-1.00x FlashQLA's speed to 1.00-1.15x
 #   (one H100, 6eedafa).
+# - A clock on each role (`profiles/role_timeline_lab.py`) shows the wide kernel's scores / output
+#   warpgroup setting the pace (waiting under 12 % of its span while the state warpgroup waits over
+#   half of it). `gdn_fwd.s34` lightens it (O's store left running, Gamma beside $Q K^\top$): 0.97-0.99x
+#   s33's forward; (16, 64) 1 x 32768 at 1.535 ms against FlashQLA's 1.557 (one H100, 6dddd4e).

@@ -19,6 +19,36 @@ for more than 3 %, while the state warpgroup waits 59 % of its span for Vd and t
 20 % for S_c and 12 % for WY. Between its stamps the TMA store and its wait took 490-670 cycles a
 chunk of about 6400.
 
+Measured effect. The stamps again (commit dac1807): the store's tail 190-360 cycles a chunk where
+it was 490-670, the scores / output warpgroup's own work 3735 cycles a chunk against 3873, its span
+6322 against 6414; it still waits under 12 % of its span, so it still sets the pace. The region that
+builds P and WY (its stores to shared memory, Ab's loads, the masks) is 1400-1600 cycles a chunk and
+stays. The whole forward (one H100, commit 60ac878, ``bench.time_row`` in one process, the API
+running s33's kernels), ms:
+
+    problem              s33 (API)   s34
+    (16, 64) 1x8192       0.4031    0.3932
+    (16, 48) 1x8192       0.3866    0.3723
+    (16, 48) 1x32768      1.4792    1.4620
+    (16, 64) 1x32768      1.5661    1.5524
+    (16, 16) 8x4096       0.3743    0.3691
+    (16, 32) 8x4096       0.6412    0.6226
+    (8, 24) 28672+4096    0.8915    0.8692
+    (8, 32) 1x32768       1.0226    1.0004
+
+0.96-0.99x s33's time. With the peers in the same run (``python -m flashqla bench``, one H100,
+commit 6dddd4e, the API promoted to s34), ms:
+
+    problem              s34      API (s34)   FlashQLA   FLA
+    (16, 64) 1x32768    1.5354    1.5350     1.5573    4.1552
+    (16, 48) 1x8192     0.3724    0.3720     0.3781    0.7578
+    (16, 48) 1x32768    1.4438    1.4599     1.4062    3.2041
+    (8, 24) 28672+4096  0.8551    0.8589     0.7896    1.7085
+
+(16, 64) 1x32768: 1.01x FlashQLA, 3.2x the floor (useful FLOPs at the GEMM roof). Its tests passed
+on the GPU: the public shapes; bit for bit against s33, eagerly and from a CUDA graph
+(``tests/test_autocp.py``).
+
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """
 
