@@ -429,9 +429,9 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34],
+                                        34, 35],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -441,7 +441,7 @@ def stage(request):
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
     the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
-    kernel's output overlapped), with its kernels (and those of the chain it runs) compiled on threads first."""
+    kernel's output overlapped, s35 s34's with WY built by the value warpgroup), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -934,19 +934,21 @@ def test_s33_sixteen_columns_give_s32s_bits(problem, cp):
     (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128, varlen, a one-token sequence
     (Problem(16, 32, (4000, 300)), 3),                              # split: segment rows
 ], ids=["one", "varlen", "split"])
-def test_s34_output_overlap_gives_s33s_bits(problem, cp):
+@pytest.mark.parametrize("stage", [34, 35])
+def test_s34_s35_wide_kernels_give_the_previous_bits(problem, cp, stage):
     """gdn_fwd.s34's wide kernel computes what s16's does in the same order (O's row factor is the same
-    ex2.approx of the same g): o and the final state are s33's bits, eagerly and from a CUDA graph
-    holding two forwards, replayed on new inputs. The first two run the wide kernel (BV 64 or 128)."""
+    ex2.approx of the same g), and s35's what s34's does (WY by the same formula in another role): o
+    and the final state are the previous stage's bits, eagerly and from a CUDA graph holding two
+    forwards, replayed on new inputs. The first two problems run the wide kernel (BV 64 or 128)."""
     from flashqla.stages import load
 
-    s34 = load("gdn_fwd", 34)
+    mod = load("gdn_fwd", stage)
     x = problem.inputs("cpu")
     B, T = x["q"].shape[:2]
-    width = s34.S27.S18.PIPELINE.launch_width(x["cu_seqlens"], B, T, problem.HV, 128, autocp.num_sms("cuda"),
-                                              s34.STEP)
+    width = mod.S27.S18.PIPELINE.launch_width(x["cu_seqlens"], B, T, problem.HV, 128, autocp.num_sms("cuda"),
+                                              mod.STEP)
     assert width >= 64 or cp
-    assert_same_bits_eager_and_in_a_graph(s34, load("gdn_fwd", 33), problem, cp, seed=10)
+    assert_same_bits_eager_and_in_a_graph(mod, load("gdn_fwd", stage - 1), problem, cp, seed=10)
 
 
 def test_s33_goes_to_sixteen_columns_only_on_short_single_sequences():
