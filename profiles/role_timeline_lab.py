@@ -28,7 +28,11 @@ stamps divided by its chunks, mean over CTAs), its share of the role's span, and
 in cycles and ns (the SM clock from ``%globaltimer`` against ``clock64`` over each CTA), plus
 ``flashqla.bench.versions``' provenance. ``--events``: one CTA's raw stamps for a window of chunks
 (role, site, label, cycle), for the timeline plot in notebooks/04_reformulation.py.
-``report IN.csv`` prints the table on any machine.
+``report IN.csv`` prints the table on any machine. ``--stage N`` stamps a gdn_fwd stage's wide kernel
+(s34 on: its forward takes the compiled fused kernel as ``fused``) instead of the library's.
+``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold three runs (one H100): the
+library (s33's kernels) at 94d60f0, s34 at dac1807 and s35 at 45722b0; gdn_fwd.s34's and s35's
+docstrings quote them.
 """
 
 import argparse

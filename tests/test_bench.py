@@ -285,3 +285,29 @@ def test_role_timeline_lab_attributes_each_interval_to_its_first_stamp():
     assert (span, ns, len(events)) == (130, 65, 5)
     with pytest.raises(AssertionError, match="cap"):
         lab.activities(words[:-4], sites)
+
+
+def test_role_timeline_holds_what_the_stages_quote():
+    """``results/role_timeline.csv`` (profiles/role_timeline_lab.py) prints per role, and holds what
+    gdn_fwd.s34's and s35's docstrings quote on (16, 64) 1x8192: the wide kernel's scores / output
+    warpgroup waits under 12 % of its span in the library's and s34's kernels; s34's own work there
+    3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252."""
+    import csv
+    import subprocess
+
+    path = bench.RESULTS / "role_timeline.csv"
+    out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "role_timeline_lab.py"), "report", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("cycles per chunk") == 6
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192"]
+
+    def cycles(impl, role, activity):
+        (hit,) = [int(r["cycles_per_chunk"]) for r in rows if (r["impl"], r["role"], r["activity"]) == (impl, role, activity)]
+        return hit
+
+    for impl in ("API", "gdn_fwd.s34"):
+        assert sum(float(r["share"]) for r in rows
+                   if (r["impl"], r["role"]) == (impl, "scores/output") and r["activity"].startswith("wait")) < 0.12
+    assert (cycles("gdn_fwd.s34", "scores/output", "work"), cycles("API", "scores/output", "work")) == (3735, 3873)
+    assert (cycles("gdn_fwd.s35", "value", "work"), cycles("gdn_fwd.s34", "value", "work")) == (6635, 2252)

@@ -16,6 +16,31 @@ of its span for S_c. A what-if without the WY pass at all (wrong results, timing
 357e1d9) took 0.820x s34's forward on (16, 64) 1x8192 and 0.789x on (16, 48) 1x32768: the bound
 of what moving it off that warpgroup can give.
 
+Measured effect: slower, 1.22-1.50x s34's time; not promoted. Its tests passed on the GPU (one
+H100, 45722b0: the public shapes; bit for bit s34's, eagerly and from a CUDA graph). The forward
+(``bench.time_row`` in one process, the API running s34's kernels), ms:
+
+    problem              API (s34)   s34      s35
+    (16, 64) 1x8192       0.3933    0.3890   0.5737
+    (16, 48) 1x8192       0.3745    0.3720   0.5592
+    (16, 48) 1x32768      1.4442    1.4627   2.1951
+    (16, 64) 1x32768      1.5312    1.5368   2.2613
+    (16, 64) 8x4096       1.1606    1.1684   1.5701
+    (16, 32) 8x4096       0.6177    0.6190   0.8184
+    (16, 16) 8x4096       0.3686    0.3706   0.4545
+    (8, 24) 28672+4096    0.8645    0.8588   1.0477
+
+The stamps say why (``results/role_timeline.csv``, (16, 64) 1x8192): the value warpgroup now sets
+the pace, 76 % of its span its own work (6635 cycles a chunk against s34's 2252), and the WY block
+alone takes 4400-4550 cycles there (between its two named barriers), about three times what P and
+WY together took in the scores / output warpgroup; the state warpgroup's wait for Vd grows from
+55 % to 70 %. ptxas reports no spills (128 registers). What differs is the fragment: in the scores
+warpgroup WY is built in P's wgmma accumulator layout, next to Gamma already in registers; here
+TileLang gives ``wy_f`` a row-major layout of its own and each element computes its exponential
+again, with ``keep`` loaded from global memory just before its first use. The lesson for the next
+stage: take WY off the chain's warpgroups altogether (the solve can store Gamma * Ab; the what-if
+without the pass was 0.79-0.82x s34), not onto another of them.
+
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """
 
