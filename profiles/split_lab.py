@@ -17,7 +17,8 @@ split's o and final state against the unsplit launch's (relative L2, the larger)
 warm-up's bound keeps at bf16 rounding. Plus ``flashqla.bench.versions``' provenance columns.
 ``profiles/results/autocp_split.csv`` holds a run of s18 (4 x H100, commit c585a80), one of s20,
 one of s21 (three calls), one of s23 (one H100, f36f275) and one of s24 (one H100, 6879a4c, and
-c5feab3 for the five problems s23's rule was the first to split); ``tests/test_autocp.py`` checks
+c5feab3 for the five problems s23's rule was the first to split) and one of s33 on (8, 24) 1x32768 and
+28672+4096 with ``--ls 93 103 112`` (one H100, d7fcab5); ``tests/test_autocp.py`` checks
 the rules of s18, s20, s22 (which runs s21's kernels), s23 and s24 against them. s23's and s24's
 ``auto`` rows are not kept: each ran the rule before the refit that its own sweep led to (s22's
 costs, s23's). ``--report IN.csv`` prints the table.
