@@ -429,9 +429,9 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35],
+                                        34, 35, 36],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -441,7 +441,7 @@ def stage(request):
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
     the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
-    kernel's output overlapped, s35 s34's with WY built by the value warpgroup), with its kernels (and those of the chain it runs) compiled on threads first."""
+    kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -949,6 +949,32 @@ def test_s34_s35_wide_kernels_give_the_previous_bits(problem, cp, stage):
                                               mod.STEP)
     assert width >= 64 or cp
     assert_same_bits_eager_and_in_a_graph(mod, load("gdn_fwd", stage - 1), problem, cp, seed=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, flagged", [
+    (Problem(16, 64, (2000, 333)), False),                          # BV 64, varlen, a partial last chunk
+    (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128, a one-token sequence
+    (Problem(16, 64, (1700,), varlen=False), False),                # no cu_seqlens
+    (Problem(8, 32, (2500, 1, 700)), False),                        # four heads a CTA of (8, 32)
+    (Problem(16, 48, (3000,)), False),                              # three heads a CTA
+    (Problem(16, 48, (3000,)), True),                               # ... with flagged chunks
+], ids=["varlen", "bv128", "batch", "8-32", "16-48", "flagged"])
+def test_s36_wy_in_the_solve_passes_the_check(problem, flagged):
+    """gdn_fwd.s36 where it stores WY in the solve (``stores_wy``): the gdn_fwd check against float64,
+    also with chunks whose beta ||k||^2 > 2 (the solve's gated path: Ab already holds the gate); and
+    the same bits eagerly, from a CUDA graph and replayed on new inputs."""
+    from flashqla.stages import load
+
+    s36 = load("gdn_fwd", 36)
+    x = problem.inputs("cuda", seed=11)
+    if flagged:  # keys of 60 tokens of the second chunk 2.5x longer: beta ||k||^2 > 2 for most of them
+        x["k"][:, 70:130] *= 2.5
+    assert s36.stores_wy(x["q"], x["v"], x["cu_seqlens"], None)
+    check_op("gdn_fwd", lambda **kw: s36.forward(**kw), x)
+    if not flagged:
+        assert_same_bits_eager_and_in_a_graph(s36, s36, problem, None, seed=12)
 
 
 def test_s33_goes_to_sixteen_columns_only_on_short_single_sequences():
