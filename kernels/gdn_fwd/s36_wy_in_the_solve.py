@@ -125,7 +125,7 @@ def gated_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     x_col[8 * d + q] = -(acc[0] + acc[1])
 
     @T.prim_func
-    def gated_solve_balanced(
+    def gate_free_solve_balanced(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
@@ -223,7 +223,7 @@ def gated_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 if t == 0:
                     gated[i_c, hv0 + r] = flag_s[r]
 
-    return gated_solve_balanced
+    return gate_free_solve_balanced
 
 
 def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
