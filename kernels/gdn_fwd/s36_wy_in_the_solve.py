@@ -23,6 +23,33 @@ warpgroup (s35) made it 1.22-1.50x slower. The solve computes each WY element on
 already holds the element in a register; the wide kernel built it once per CTA (two or more a
 head at BV 64). Precision: WY is rounded to bf16 once (s34 rounded Ab, then WY again).
 
+Measured effect (one H100, commit f496a5f; its GPU tests passed there: the gdn_fwd check against
+float64 on six problems where it stores WY, flagged chunks included, and the same bits eagerly and
+from a CUDA graph; the public shapes). The forward, ``bench.time_row`` in one process (the API
+running s34's kernels), ms:
+
+    problem              BV    API (s34)   s34      s36
+    (16, 48) 1x2048      64     0.1089    0.1056   0.0951
+    (16, 48) 1x8192      64     0.3710    0.3709   0.3389
+    (16, 48) 1x32768     64     1.4367    1.4545   1.3343
+    (16, 48) 28672+4096  64     1.3216    1.3185   1.2467
+    (16, 64) 1x8192      64     0.3911    0.3862   0.3790
+    (16, 64) 1x32768     64     1.5318    1.5360   1.5009
+    (16, 64) 28672+4096  64     1.4782    1.4776   1.4858
+    (16, 64) 8x4096     128     1.1633    1.1642   1.3436
+    (16, 48) 8x4096     128     0.9117    0.8965   1.0144
+    (8, 32) 8x4096      128     0.5834    0.5885   0.6660
+
+0.90-1.01x s34's time at BV 64, 1.13-1.15x at 128 (gdn_fwd.s37 keeps it to 64). With the peers
+(``python -m flashqla bench``, same commit), ms:
+
+    problem             s36      API (s34)   FlashQLA   FLA
+    (16, 48) 1x32768   1.3264    1.4445     1.4052    3.2200
+    (16, 64) 1x32768   1.4760    1.5253     1.5639    4.1683
+    (16, 48) 1x8192    0.3400    0.3710     0.3693    0.7522
+
+(16, 48) 1x32768 at 1.06x FlashQLA's speed, where the library is at 0.97x.
+
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """
 
