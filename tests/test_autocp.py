@@ -429,9 +429,9 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35, 36],
+                                        34, 35, 36, 37],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -441,7 +441,7 @@ def stage(request):
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
     the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
-    kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve), with its kernels (and those of the chain it runs) compiled on threads first."""
+    kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
