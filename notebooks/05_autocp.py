@@ -954,5 +954,5 @@ assert t29["(2, 8) 1x2048"]["API"] < t27["(2, 8) 1x2048"]["API"]
 # Notebook 04's last sections take the rest of that gap: the solve at six or five CTAs an SM
 # (`gate_free_solve.s12`, `s14`), the cumsum and the chunk table inside the solve (`s13`, so a
 # short forward is two kernels: `gdn_fwd.s31`, `s32`) and the fused kernel at 16 value columns
-# where one wave holds it (`gdn_fwd.s33`, which the library now runs): (2, 8) 1 x 2048 at 1.15x
+# where one wave holds it (`gdn_fwd.s33`, whose widths the library runs): (2, 8) 1 x 2048 at 1.15x
 # FlashQLA's speed (one H100, 6eedafa). AutoCP's plans and kernels are s29's there.
