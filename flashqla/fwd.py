@@ -161,6 +161,7 @@ MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 register
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
 SOLVE_CTAS_PER_SM = {1: 6, 2: 5}  # gate_free_solve.s14: its __launch_bounds__(128, n) at 1 or 2 heads a CTA
+WY_BLOCK_V = 64           # gdn_fwd.s37: the width at which the solve stores WY (unsplit, three or four heads a CTA)
 SOLVE_WAVE_CTAS_PER_SM = 3  # gate_free_solve.s11: CTAs an SM that three or four heads a CTA must leave
 CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02's and s03's: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
@@ -394,9 +395,10 @@ def solve_phases(T, x_at):
     return phase_a, phase_b
 
 
-def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
+def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool = False):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
-    value heads of one key head (a divisor of HV / H); any token or chunk count."""
+    value heads of one key head (a divisor of HV / H); any token or chunk count. ``store_wy``
+    (gdn_fwd.s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
@@ -491,7 +493,15 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int):
                     if jb + l < NB:
                         for q in T.unroll(8):
                             if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
-                                ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
+                                if store_wy:
+                                    # WY_ij = Ab_ij exp(g_i - g_j) (the exponent clamped at 0: the
+                                    # diagonal block's upper triangle is zero and stays finite)
+                                    ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = (
+                                        x_col[8 * l + q] * beta_s[r, col] * T.if_then_else(
+                                            flag_s[r] == 1, 1.0,
+                                            T.exp2(T.min(g_s[r, SOLVE_BLOCK * (jb + l) + 8 * half + q] - g_s[r, col], 0))))
+                                else:
+                                    ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
                 for l in T.unroll(1, NB):
                     if jb >= l:
                         for q in T.unroll(8):
@@ -1352,9 +1362,10 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
 
 
 # ---- promoted from kernels/gdn_fwd/s34_output_overlap.py (s16's roles, renamed WIDE_...)
-def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
+def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored: bool = False):
     """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
-    state per CTA (32, 64 or 128); any token or sequence count."""
+    state per CTA (32, 64 or 128); any token or sequence count. ``wy_stored`` (gdn_fwd.s36's wide
+    kernel): ab holds WY = Gamma * Ab (the solve's ``store_wy``), so no WY pass."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
@@ -1370,7 +1381,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
         q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         k: T.Tensor((num_tokens, H, K), "bfloat16"),
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
-        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve: rows per token
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve (or WY): rows per token
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
         gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
         h0: T.Tensor((num_seqs, HV, K, V), "float32"),
@@ -1410,7 +1421,8 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
             gam_f = T.alloc_fragment((C, C), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             o_f = T.alloc_fragment((C, BV), "float32")
-            keep = T.alloc_var("int32")                            # this chunk's gated flag
+            if not wy_stored:
+                keep = T.alloc_var("int32")                        # this chunk's gated flag
             # v_s and ab_s are read and written in the accumulator layout
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
                                ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
@@ -1510,7 +1522,8 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                     # still runs chunk c - 1
                                     T.barrier_arrive(bar_tiles_empty[b])
                                 if c < num_seq_chunks:
-                                    keep = gated[row0 + c, i_hv]
+                                    if not wy_stored:
+                                        keep = gated[row0 + c, i_hv]
                                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
                                     # P <- Q K^T, issued without waiting: Gamma is built while
                                     # the tensor cores run it
@@ -1527,16 +1540,25 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                     for i, j in T.Parallel(C, C):
                                         p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
                                     T.copy(p_f, p_s[s, :, :])
-                                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on
-                                    # j <= i < n, 0 elsewhere (n: the chunk's tokens), built in P's
-                                    # registers (Ab loaded unmasked, then selected: no branch),
-                                    # then stored over the Ab tile
-                                    T.copy(ab_s[s, :, :], p_f)
-                                    for i, j in T.Parallel(C, C):
-                                        p_f[i, j] = T.if_then_else(
-                                            (j <= i) & (i < eos - bos - c * C),
-                                            p_f[i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
-                                    T.copy(p_f, ab_s[s, :, :])
+                                    if wy_stored:
+                                        # WY: the solve stored Gamma * Ab; a sequence's partial last
+                                        # chunk loads rows i >= n of the next sequence, zeroed here
+                                        if eos - bos - c * C < C:
+                                            T.copy(ab_s[s, :, :], p_f)
+                                            for i, j in T.Parallel(C, C):
+                                                p_f[i, j] = T.if_then_else(i < eos - bos - c * C, p_f[i, j], 0)
+                                            T.copy(p_f, ab_s[s, :, :])
+                                    else:
+                                        # WY <- Gamma * Ab (Ab as stored for a gated chunk) on
+                                        # j <= i < n, 0 elsewhere (n: the chunk's tokens), built in P's
+                                        # registers (Ab loaded unmasked, then selected: no branch),
+                                        # then stored over the Ab tile
+                                        T.copy(ab_s[s, :, :], p_f)
+                                        for i, j in T.Parallel(C, C):
+                                            p_f[i, j] = T.if_then_else(
+                                                (j <= i) & (i < eos - bos - c * C),
+                                                p_f[i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
+                                        T.copy(p_f, ab_s[s, :, :])
                                     T.fence_proxy_async()
                                     T.barrier_arrive(bar_scores_ready[s])
                                 if c >= 1:
@@ -1632,6 +1654,11 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     sms = autocp.num_sms(device)
     R = solve_heads(H, HV, chunks.shape[0], sms)
+    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
+    # gdn_fwd.s37: at BV 64, unsplit, after s06's solve, the solve stores WY = Gamma * Ab and the
+    # wide kernel skips its WY pass
+    store_wy = BV == WY_BLOCK_V and p is None and R > SOLVE_TF32_MAX_HEADS
     if R <= SOLVE_TF32_MAX_HEADS:
         with nvtx_range("fwd.gate_free_solve_with_cumsum"):
             # g_cum, chunks, first_chunk, Ab, gated <- the chunk table, the chunk-local cumsum of g
@@ -1643,11 +1670,9 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
             # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
             _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
         with nvtx_range("fwd.gate_free_solve"):
-            # Ab, gated <- the gate-free solve, three or four value heads a CTA
-            _compiled(gate_free_solve_kernel, H, HV, R)(k, beta, g_cum, chunks, ab, gated)
+            # Ab (or WY), gated <- the gate-free solve, three or four value heads a CTA
+            _compiled(gate_free_solve_kernel, H, HV, R, store_wy)(k, beta, g_cum, chunks, ab, gated)
 
-    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
-    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         J = p.max_segments
         # windows: per (slot, value head) its first token and whether it runs exactly
@@ -1675,8 +1700,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     ht = torch.empty(h0.shape, **fp32)
     builder = fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel
     with nvtx_range("fwd.chunk_h_o"):
-        _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
-                                            scale, o, ht)
+        _compiled(builder, H, HV, K, V, BV, *((True,) if store_wy else ()))(
+            q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from flashqla.testing import Problem
 
-PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2048,))]
+PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2048,)), Problem(8, 32, (8192,))]
 ROLES = {"gdn_fused_state_value_kernel": ("state", "value", "scores/output", "producer"),
          "gdn_fused_ws_lean_kernel": ("chain", "scores", "output", "producer")}
 WARPGROUP = 128
@@ -140,7 +140,7 @@ def stamped_kernel(builder, shape, num_chunks, pass_configs):
 
     from flashqla.hopper import compile_hopper, dependent_launch
 
-    H, HV, K, V, BV = shape
+    H, HV, K, V, BV = shape[:5]  # a sixth entry: the wide kernel's wy_stored (gdn_fwd.s37)
     cap = STAMPS_PER_CHUNK * (num_chunks + 2)
     found = {}
 

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s34) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s37) gives."""
 
 import functools
 import sys
@@ -49,6 +49,49 @@ IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, sha
 @pytest.mark.parametrize("builder, stage, stage_builder, shape", PROMOTED, ids=IDS)
 def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shape):
     assert builder(*shape).script() == getattr(load(*stage), stage_builder)(*shape).script()
+
+
+def test_promoted_wy_kernels_are_s36s(monkeypatch):
+    """The solve storing WY (``store_wy``) and the wide kernel without its WY pass (``wy_stored``) build
+    gdn_fwd.s36's programs and compile with its options; without the flags, s06's and s34's (above)."""
+    s36 = load("gdn_fwd", 36)
+    assert fwd.gate_free_solve_kernel(16, 64, 4, True).script() == s36.gated_solve_kernel(16, 64, 4).script()
+    assert fwd.gate_free_solve_kernel(16, 48, 3, True).script() != fwd.gate_free_solve_kernel(16, 48, 3).script()
+    for shape in ((16, 48, 128, 128, 64), (8, 32, 128, 128, 64)):
+        assert fwd.fused_state_value_kernel(*shape, True).script() == s36.fused_state_value_kernel(*shape).script()
+    calls = record_compiles(monkeypatch)
+    fwd._compiled.__wrapped__(fwd.gate_free_solve_kernel, 16, 48, 3, True)
+    s36._solve.__wrapped__(16, 48, 3)
+    fwd._compiled.__wrapped__(fwd.fused_state_value_kernel, 16, 48, 128, 128, 64, True)
+    s36._wide.__wrapped__(16, 48, 128, 128, 64)
+    assert calls[0] == calls[1] and calls[2] == calls[3]
+
+
+def test_store_wy_is_the_stage_rule():
+    """The library stores WY in the solve exactly where gdn_fwd.s37 does (BV 64, unsplit, three or four
+    heads a CTA), on the benchmark's 40 problems (132 SMs) and two more: (16, 48) and (16, 64) from
+    1x2048 to 28672+4096, and (2, 8) 8x4096 (the other batches of 8 run at BV 128)."""
+    s37 = load("gdn_fwd", 37)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(autocp, "num_sms", lambda device: 132)
+    from flashqla.bench import PROBLEMS, short_label
+
+    stored = set()
+    try:
+        for p in PROBLEMS + [Problem(16, 48, (1500, 77)), Problem(16, 64, (1000, 300))]:
+            x = p.inputs("cpu", seed=0)
+            B, T, H = x["q"].shape[:3]
+            chunks = sum(-(-n // 64) for n in p.lengths)
+            BV = fwd.launch_width(x["cu_seqlens"], B, T, p.HV, 128, 132)
+            plan = fwd.split_plan(x["cu_seqlens"], B, T, p.HV, 132, "cpu", None, fwd.STEP[BV])
+            mine = BV == fwd.WY_BLOCK_V and plan is None and fwd.solve_heads(H, p.HV, chunks, 132) > fwd.SOLVE_TF32_MAX_HEADS
+            assert mine == s37.stores_wy(x["q"], x["v"], x["cu_seqlens"], None), p.label
+            if mine and p in PROBLEMS:
+                stored.add(short_label(p.label))
+    finally:
+        monkeypatch.undo()
+    assert stored == {f"({h}) {n}" for h in ("16, 48", "16, 64") for n in ("1x2048", "1x8192", "1x32768", "28672+4096")
+                      } | {"(2, 8) 8x4096"}
 
 
 def test_solve_groups_value_heads_as_its_stage():
@@ -210,15 +253,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s34's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s37's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s34 = load("gdn_fwd", 34)
+    s37 = load("gdn_fwd", 37)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s34.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s37.forward)]
     run_on_threads(calls)
 
 
@@ -253,12 +296,14 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(4, 16, (1500, 77)), None),
     (Problem(8, 24, (2000,)), None),                                # ... 1 head a CTA: 3 don't fill
     (Problem(16, 16, (1000,)), None),                               # BV 16 (s12's kernel)
+    (Problem(16, 48, (3000,)), None),                               # WY stored by the solve (s37)
+    (Problem(8, 32, (2500, 1, 700)), None),                         # ... four heads a CTA, varlen
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
-        "solve-spread", "solve-spread-varlen", "solve-one", "narrowest"])
+        "solve-spread", "solve-spread-varlen", "solve-one", "narrowest", "wy-stored", "wy-stored-varlen"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s34's kernels in s34's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s37's kernels in s37's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 34).forward(**x, cp=cp)
+    want = load("gdn_fwd", 37).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
