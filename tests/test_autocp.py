@@ -429,9 +429,9 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35, 36, 37],
+                                        34, 35, 36, 37, 38],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37", "s38"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -441,7 +441,8 @@ def stage(request):
     dependents, s28 s27's with gate_free_solve.s11's grouping, s29 s28's with the chunk table from
     the cumsum, s30 s29's with gate_free_solve.s12's launch bounds, s31 s30's with the cumsum in
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
-    kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only), with its kernels (and those of the chain it runs) compiled on threads first."""
+    kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only, s38 s37's with the chain
+    running ahead of the output), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -975,6 +976,28 @@ def test_s36_wy_in_the_solve_passes_the_check(problem, flagged):
     check_op("gdn_fwd", lambda **kw: s36.forward(**kw), x)
     if not flagged:
         assert_same_bits_eager_and_in_a_graph(s36, s36, problem, None, seed=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem", [
+    Problem(16, 64, (2000, 5, 333, 70)),                            # partial chunks, a 5-token sequence
+    Problem(16, 48, (3000,), initial_state=False),                  # three heads a CTA, no h0
+    Problem(8, 32, (2500, 1, 700)),                                 # a one-token sequence
+    Problem(16, 64, (1700,), varlen=False),                         # no cu_seqlens
+], ids=["varlen", "16-48", "8-32", "batch"])
+def test_s38_chain_ahead_gives_s37s_bits(problem):
+    """gdn_fwd.s38's wide kernel (the chain waits on no scores, S and V~ in two slots) computes what
+    s36's does where s37 runs it: V~'s rows past a sequence's end differ, but only Vd's mask (zero,
+    as s36's zeroed WY rows made it) and P's zero columns meet them. The same bits as s37, eagerly and
+    from a CUDA graph replayed on new inputs; and the gdn_fwd check against float64."""
+    from flashqla.stages import load
+
+    s37, s38 = load("gdn_fwd", 37), load("gdn_fwd", 38)
+    x = problem.inputs("cuda", seed=13)
+    assert s37.stores_wy(x["q"], x["v"], x["cu_seqlens"], None)
+    check_op("gdn_fwd", lambda **kw: s38.forward(**kw), x)
+    assert_same_bits_eager_and_in_a_graph(s38, s37, problem, None, seed=14)
 
 
 def test_s33_goes_to_sixteen_columns_only_on_short_single_sequences():
