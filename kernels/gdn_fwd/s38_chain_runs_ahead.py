@@ -290,13 +290,15 @@ def kernel_source() -> str:
 
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, *, fused=_wide):
     """s37's forward with this stage's wide kernel where s37 stores WY (``cp`` None decides, False
-    never splits, True splits at the rule's cheapest L, an int is the segment length in chunks)."""
+    never splits, True splits at the rule's cheapest L, an int is the segment length in chunks).
+    ``fused(H, HV, K, V, BV)``: the compiled wide kernel (profiles/role_timeline_lab.py passes a
+    stamped one)."""
     if not S37.stores_wy(q, v, cu_seqlens, cp):
         return S34.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold)
     return S34.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold,
-                       prologue=S36.prologue, fused=_wide)
+                       prologue=S36.prologue, fused=fused)
 
 
 def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
