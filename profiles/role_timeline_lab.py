@@ -45,7 +45,8 @@ from flashqla.testing import Problem
 
 PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2048,)), Problem(8, 32, (8192,))]
 ROLES = {"gdn_fused_state_value_kernel": ("state", "value", "scores/output", "producer"),
-         "gdn_fused_ws_lean_kernel": ("chain", "scores", "output", "producer")}
+         "gdn_fused_ws_lean_kernel": ("chain", "scores", "output", "producer"),
+         "gdn_fused_state_in_registers_kernel": ("chain", "scores", "output", "producer")}  # gdn_fwd.s39
 WARPGROUP = 128
 STAMPS_PER_CHUNK = 96        # room per (CTA, warpgroup) and chunk: every role stamps fewer
 SITE_BITS = 48               # a stamp: site << 48 | (cycle or ns, 48 bits)
@@ -222,7 +223,7 @@ def measure(out: Path, events_out: Path | None, commit: str, labels=(), stage: i
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
             f"{p.label}: the stamped kernel changed the forward's result"
         ((builder, shape), stamped), = used.items()
-        name = "gdn_fused_ws_lean_kernel" if builder is fwd.fused_reform_kernel else "gdn_fused_state_value_kernel"
+        name = builder(*shape).attrs["global_symbol"] + "_kernel"  # TileLang's name for the kernel
         impl = "API" if stage is None else f"gdn_fwd.s{stage}"
         roles, BV = ROLES[name], shape[4]
         totals = {}
