@@ -161,7 +161,8 @@ MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 register
 SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
 SOLVE_CTAS_PER_SM = {1: 6, 2: 5}  # gate_free_solve.s14: its __launch_bounds__(128, n) at 1 or 2 heads a CTA
-WY_BLOCK_V = 64           # gdn_fwd.s37: the width at which the solve stores WY (unsplit, three or four heads a CTA)
+WY_BLOCK_V = 64           # gdn_fwd.s37: the width at which the solve stores WY (unsplit, three or four heads a CTA),
+                          # and gdn_fwd.s40's kernel runs (S^T's rows: one wgmma M tile)
 SOLVE_WAVE_CTAS_PER_SM = 3  # gate_free_solve.s11: CTAs an SM that three or four heads a CTA must leave
 CUMSUM_SEGMENTS = 8       # chunk_local_cumsum.s02's and s03's: threads a head, each scanning 64 / 8 tokens
 LOG2E = 1.4426950408889634
@@ -1362,10 +1363,9 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
 
 
 # ---- promoted from kernels/gdn_fwd/s34_output_overlap.py (s16's roles, renamed WIDE_...)
-def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored: bool = False):
+def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int):
     """The T.prim_func for H key heads, HV value heads, head dims K, V, BV value columns of the
-    state per CTA (32, 64 or 128); any token or sequence count. ``wy_stored`` (gdn_fwd.s36's wide
-    kernel): ab holds WY = Gamma * Ab (the solve's ``store_wy``), so no WY pass."""
+    state per CTA (32, 64 or 128); any token or sequence count."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
@@ -1381,7 +1381,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored
         q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         k: T.Tensor((num_tokens, H, K), "bfloat16"),
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
-        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve (or WY): rows per token
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # gate_free_solve: rows per token
         g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
         gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab already holds the gate
         h0: T.Tensor((num_seqs, HV, K, V), "float32"),
@@ -1421,8 +1421,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored
             gam_f = T.alloc_fragment((C, C), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             o_f = T.alloc_fragment((C, BV), "float32")
-            if not wy_stored:
-                keep = T.alloc_var("int32")                        # this chunk's gated flag
+            keep = T.alloc_var("int32")                            # this chunk's gated flag
             # v_s and ab_s are read and written in the accumulator layout
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
                                ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
@@ -1522,8 +1521,7 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored
                                     # still runs chunk c - 1
                                     T.barrier_arrive(bar_tiles_empty[b])
                                 if c < num_seq_chunks:
-                                    if not wy_stored:
-                                        keep = gated[row0 + c, i_hv]
+                                    keep = gated[row0 + c, i_hv]
                                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
                                     # P <- Q K^T, issued without waiting: Gamma is built while
                                     # the tensor cores run it
@@ -1540,25 +1538,16 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored
                                     for i, j in T.Parallel(C, C):
                                         p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
                                     T.copy(p_f, p_s[s, :, :])
-                                    if wy_stored:
-                                        # WY: the solve stored Gamma * Ab; a sequence's partial last
-                                        # chunk loads rows i >= n of the next sequence, zeroed here
-                                        if eos - bos - c * C < C:
-                                            T.copy(ab_s[s, :, :], p_f)
-                                            for i, j in T.Parallel(C, C):
-                                                p_f[i, j] = T.if_then_else(i < eos - bos - c * C, p_f[i, j], 0)
-                                            T.copy(p_f, ab_s[s, :, :])
-                                    else:
-                                        # WY <- Gamma * Ab (Ab as stored for a gated chunk) on
-                                        # j <= i < n, 0 elsewhere (n: the chunk's tokens), built in P's
-                                        # registers (Ab loaded unmasked, then selected: no branch),
-                                        # then stored over the Ab tile
-                                        T.copy(ab_s[s, :, :], p_f)
-                                        for i, j in T.Parallel(C, C):
-                                            p_f[i, j] = T.if_then_else(
-                                                (j <= i) & (i < eos - bos - c * C),
-                                                p_f[i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
-                                        T.copy(p_f, ab_s[s, :, :])
+                                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on
+                                    # j <= i < n, 0 elsewhere (n: the chunk's tokens), built in P's
+                                    # registers (Ab loaded unmasked, then selected: no branch),
+                                    # then stored over the Ab tile
+                                    T.copy(ab_s[s, :, :], p_f)
+                                    for i, j in T.Parallel(C, C):
+                                        p_f[i, j] = T.if_then_else(
+                                            (j <= i) & (i < eos - bos - c * C),
+                                            p_f[i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
+                                    T.copy(p_f, ab_s[s, :, :])
                                     T.fence_proxy_async()
                                     T.barrier_arrive(bar_scores_ready[s])
                                 if c >= 1:
@@ -1607,11 +1596,233 @@ def fused_state_value_kernel(H: int, HV: int, K: int, V: int, BV: int, wy_stored
     return gdn_fused_state_value
 
 
+# ---- promoted from kernels/gdn_fwd/s40_stmatrix_hand_offs.py (s39's kernel: the state transposed in the
+# chain's registers; s12's roles, the scores building P only)
+def fused_state_in_registers_kernel(H: int, HV: int, K: int, V: int, BV: int):
+    """The T.prim_func for H key heads, HV value heads, head dims K, V, BV = 64 value columns of the
+    state per CTA, ab holding WY (s36's solve); any token or sequence count."""
+    import tilelang  # imported here: loading a stage must not pull in TileLang
+    import tilelang.language as T
+
+    if BV != WY_BLOCK_V:
+        raise ValueError(f"fused_state_in_registers_kernel: `BV` must be {WY_BLOCK_V} (S^T's rows); got {BV}")
+    C = CHUNK_SIZE
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_bounds = T.dynamic("num_bounds")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gdn_fused_state_in_registers(
+        q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # WY = Gamma * Ab, rows per token
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        gated: T.Tensor((num_chunks, HV), "int32"),            # unread: ab holds WY (s36's solve)
+        h0: T.Tensor((num_seqs, HV, K, V), "float32"),
+        bounds: T.Tensor((num_bounds,), "int32"),              # sequence starts, then the total
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # unread (the gated flags' rows)
+        scale: T.float32,
+        o: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        ht: T.Tensor((num_seqs, HV, K, V), "float32"),
+    ):
+        with T.Kernel(V // BV, HV, num_seqs, threads=FUSED_THREADS) as (i_v, i_hv, i_n):
+            i_h = i_hv // group
+            v0 = i_v * BV
+            bos = bounds[i_n]
+            eos = bounds[i_n + 1]
+            num_seq_chunks = T.ceildiv(eos - bos, C)
+
+            # tile stages (producer -> consumers); g holds log2(e) g_cum
+            q_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # scores, output
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, scores
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            wy_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # chain
+            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # scores
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # chain, output: exp(g); exp(g_C)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # chain: exp(g_C - g), 0 past the end
+            # hand-off slots by chunk parity: S_c^T, V~_c^T (chain -> output; a whole buffer a slot,
+            # so that the chain's stores lower to stmatrix), P_c (scores -> output)
+            ht_s0 = T.alloc_shared((BV, K), "bfloat16")
+            ht_s1 = T.alloc_shared((BV, K), "bfloat16")
+            vnt_s0 = T.alloc_shared((BV, C), "bfloat16")
+            vnt_s1 = T.alloc_shared((BV, C), "bfloat16")
+            p_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
+            o_s = T.alloc_shared((C, BV), "bfloat16")                 # output: O, for whole-row stores
+            # the chain's registers: S^T, the accumulators of U^T and V~^T, the bf16 left operands
+            st_f = T.alloc_fragment((BV, K), "float32")
+            st_a = T.alloc_fragment((BV, K), "bfloat16")
+            x_f = T.alloc_fragment((BV, C), "float32")
+            y_f = T.alloc_fragment((BV, C), "float32")
+            x_a = T.alloc_fragment((BV, C), "bfloat16")
+            # the scores' and the output's
+            gam_f = T.alloc_fragment((C, C), "float32")
+            p_f = T.alloc_fragment((C, C), "float32")
+            o_f = T.alloc_fragment((C, BV), "float32")
+
+            # ---- barriers; arrive counts: every thread of each arriving role arrives once
+            bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)       # producer -> all
+            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_state_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)     # chain -> output: S_c^T
+            bar_state_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)      # output -> chain
+            bar_vn_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # chain -> output: V~_c^T
+            bar_vn_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # output -> chain
+            bar_scores_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)    # scores -> output: P_c
+            bar_scores_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)     # output -> scores
+
+            tx = T.get_thread_binding()
+            if tx < CHAIN_END:  # ---- the chain warpgroup
+                T.set_max_nreg(REGS_CHAIN, 1)
+                # S^T <- h0^T (this CTA's BV columns of h0, as rows)
+                for j, i in T.Parallel(BV, K):
+                    st_f[j, i] = h0[i_n, i_hv, i, v0 + j]
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:  # the odd last chunk under an `if` (s12's chunk_parts says why)
+                        for r in T.serial(reps):
+                            for b, ht_sb, vnt_sb in zip(slots, (ht_s0, ht_s1), (vnt_s0, vnt_s1)):
+                                c = c0 + 2 * r + b
+                                phase = (c // NUM_HANDOFF) % 2
+                                T.barrier_wait(bar_tiles_full[b], phase)
+                                # V~^T <- V^T WY^T, issued without waiting (it does not need S)
+                                T.wgmma_gemm(v_s[b, :, :], wy_s[b, :, :], y_f, transpose_A=True,
+                                             transpose_B=True, clear_accum=True)
+                                # U^T <- S_c^T K^T, S_c^T rounded to bf16 in registers, issued without
+                                # waiting
+                                T.copy(st_f, st_a)
+                                T.wgmma_gemm(st_a, k_s[b, :, :], x_f, transpose_B=True, clear_accum=True)
+                                # while they run: S_c^T -> slot b for the output once it has read
+                                # S_{c-2}^T, and S^T <- exp(g_C) S^T (the products read st_a only)
+                                T.barrier_wait(bar_state_free[b], phase ^ 1)
+                                T.copy(st_a, ht_sb)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_state_ready[b])
+                                for j, i in T.Parallel(BV, K):
+                                    st_f[j, i] = st_f[j, i] * eg_s[b, C - 1]
+                                T.wait_wgmma(0)
+                                T.warpgroup_fence_operand(x_f, num_regs=BV * C // WARPGROUP)
+                                T.warpgroup_fence_operand(y_f, num_regs=BV * C // WARPGROUP)
+                                # V~^T <- V~^T - (U^T diag(exp g)) WY^T: W^T WY^T with W = V - diag(exp g) U
+                                # (V's rows >= n are finite and meet only WY's zero columns)
+                                for j, i in T.Parallel(BV, C):
+                                    x_a[j, i] = -x_f[j, i] * eg_s[b, i]
+                                T.gemm(x_a, wy_s[b, :, :], y_f, transpose_B=True)
+                                # V~_c^T -> slot b for the output once it has read V~_{c-2}^T
+                                T.barrier_wait(bar_vn_free[b], phase ^ 1)
+                                T.copy(y_f, vnt_sb)
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_vn_ready[b])
+                                # Vd^T <- V~^T diag(exp(g_C - g)): 0 on the columns past a sequence's
+                                # end (the producer's exp(g_C - g) is 0 there; V~^T is finite there)
+                                for j, i in T.Parallel(BV, C):
+                                    x_a[j, i] = y_f[j, i] * egd_s[b, i]
+                                # S^T <- exp(g_C) S^T + Vd^T K
+                                T.gemm(x_a, k_s[b, :, :], st_f)
+                                T.barrier_arrive(bar_tiles_empty[b])
+                # ht <- S^T, transposed back
+                for j, i in T.Parallel(BV, K):
+                    ht[i_n, i_hv, i, v0 + j] = st_f[j, i]
+
+            elif tx >= CHAIN_END and tx < SCORES_END:  # ---- the scores warpgroup
+                T.set_max_nreg(REGS_SCORES, 1)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:
+                        for r in T.serial(reps):
+                            for b in slots:
+                                c = c0 + 2 * r + b
+                                phase = (c // NUM_HANDOFF) % 2
+                                T.barrier_wait(bar_tiles_full[b], phase)
+                                # P <- Q K^T, issued without waiting: Gamma is built while the
+                                # tensor cores run it
+                                T.wgmma_gemm(q_s[b, :, :], k_s[b, :, :], p_f, transpose_B=True,
+                                             clear_accum=True)
+                                # Gamma <- exp(g_i - g_j), the exponent clamped at 0 so that the
+                                # upper triangle (masked below) stays finite: no branch
+                                for i, j in T.Parallel(C, C):
+                                    gam_f[i, j] = T.exp2(T.min(g_s[b, i] - g_s[b, j], 0))
+                                T.wait_wgmma(0)
+                                T.warpgroup_fence_operand(p_f, num_regs=C * C // WARPGROUP)
+                                T.barrier_arrive(bar_tiles_empty[b])
+                                # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal,
+                                # to slot b once the output has read P_{c-2}
+                                for i, j in T.Parallel(C, C):
+                                    p_f[i, j] = T.if_then_else(j <= i, scale * p_f[i, j] * gam_f[i, j], 0)
+                                T.barrier_wait(bar_scores_free[b], phase ^ 1)
+                                T.copy(p_f, p_s[b, :, :])
+                                T.fence_proxy_async()
+                                T.barrier_arrive(bar_scores_ready[b])
+
+            elif tx >= SCORES_END and tx < OUTPUT_END:  # ---- the output warpgroup
+                T.set_max_nreg(REGS_OUTPUT, 1)
+                for c0, reps, slots, present in chunk_parts(num_seq_chunks):
+                    if present:
+                        for r in T.serial(reps):
+                            for b, ht_sb, vnt_sb in zip(slots, (ht_s0, ht_s1), (vnt_s0, vnt_s1)):
+                                c = c0 + 2 * r + b
+                                phase = (c // NUM_HANDOFF) % 2
+                                t0 = bos + c * C
+                                T.barrier_wait(bar_tiles_full[b], phase)
+                                # O <- scale diag(exp g) Q S_c  (S_c = (S_c^T)^T)
+                                T.barrier_wait(bar_state_ready[b], phase)
+                                T.gemm(q_s[b, :, :], ht_sb, o_f, transpose_B=True, clear_accum=True)
+                                T.barrier_arrive(bar_state_free[b])
+                                for i, j in T.Parallel(C, BV):
+                                    o_f[i, j] = o_f[i, j] * (scale * eg_s[b, i])
+                                T.barrier_arrive(bar_tiles_empty[b])
+                                # O <- O + P_c V~_c
+                                T.barrier_wait(bar_scores_ready[b], phase)
+                                T.barrier_wait(bar_vn_ready[b], phase)
+                                T.gemm(p_s[b, :, :], vnt_sb, o_f, transpose_B=True)
+                                T.barrier_arrive(bar_scores_free[b])
+                                T.barrier_arrive(bar_vn_free[b])
+                                # o[t0 : t0 + n] <- O through shared memory: a whole chunk by one TMA
+                                # store, left running (its wait is the next chunk's, just before
+                                # o_shared is written again), a sequence's partial last chunk row by row
+                                T.tma_store_wait()
+                                T.copy(o_f, o_s)
+                                if eos - t0 >= C:
+                                    T.fence_proxy_async()
+                                    T.tma_copy(o_s, o[t0:t0 + C, i_hv, v0:v0 + BV])
+                                else:
+                                    for i, j in T.Parallel(C, BV):
+                                        if i < eos - t0:
+                                            o[t0 + i, i_hv, v0 + j] = o_s[i, j]
+                T.tma_store_wait()  # the last chunk's store has read o_shared before the CTA ends
+
+            elif tx >= OUTPUT_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for c in T.serial(num_seq_chunks):
+                    s = c % NUM_STAGES
+                    t0 = bos + c * C
+                    T.barrier_wait(bar_tiles_empty[s], (c // NUM_STAGES) % 2 ^ 1)
+                    # full 64-row boxes; rows past the sequence end are masked by the consumers
+                    T.tma_copy(q[t0:t0 + C, i_h, :], q_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(v[t0:t0 + C, i_hv, v0:v0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
+                    T.tma_copy(ab[t0:t0 + C, i_hv, :], wy_s[s, :, :], barrier=bar_tiles_full[s])
+                    # g <- log2(e) g_cum, rows past the end padded with the last real row, so every
+                    # exponent (g_i - g_j with i >= j, g_C - g_i, g_i, g_C) is <= 0
+                    for i in T.Parallel(C):
+                        g_s[s, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
+                    # the row factors exp(g_i) and exp(g_C - g_i) (exp(g_C) is the last of the first);
+                    # the second 0 past the sequence's end: Vd's mask
+                    for i in T.Parallel(C):
+                        eg_s[s, i] = T.exp2(g_s[s, i])
+                        egd_s[s, i] = T.if_then_else(t0 + i < eos, T.exp2(g_s[s, C - 1] - g_s[s, i]), 0)
+                    T.barrier_arrive(bar_tiles_full[s])
+
+    return gdn_fused_state_in_registers
+
+
+
+
 # compile options beyond the target, as the stages use them. The fused and warm-up kernels: no shared-memory
 # reuse (TileLang plans it as if the role branches ran one after another), fast math (exp2 is one
 # ex2.approx, no branch)
 PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fast_math": True}
-                for builder in (fused_reform_kernel, fused_state_value_kernel, warmup_kernel)}
+                for builder in (fused_reform_kernel, fused_state_value_kernel, fused_state_in_registers_kernel,
+                                warmup_kernel)}
 # the cumsum: no bounds checks (its row guard keeps g's accesses in range, its sequence guard the bounds')
 PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": True}
 
@@ -1656,8 +1867,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     R = solve_heads(H, HV, chunks.shape[0], sms)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
     p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
-    # gdn_fwd.s37: at BV 64, unsplit, after s06's solve, the solve stores WY = Gamma * Ab and the
-    # wide kernel skips its WY pass
+    # gdn_fwd.s37: at BV 64, unsplit, after s06's solve, the solve stores WY = Gamma * Ab, and the
+    # fused kernel is gdn_fwd.s40's (the state in the chain's registers)
     store_wy = BV == WY_BLOCK_V and p is None and R > SOLVE_TF32_MAX_HEADS
     if R <= SOLVE_TF32_MAX_HEADS:
         with nvtx_range("fwd.gate_free_solve_with_cumsum"):
@@ -1698,10 +1909,11 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths
     ht = torch.empty(h0.shape, **fp32)
-    builder = fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel
+    builder = (fused_state_in_registers_kernel if store_wy else
+               fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel)
     with nvtx_range("fwd.chunk_h_o"):
-        _compiled(builder, H, HV, K, V, BV, *((True,) if store_wy else ()))(
-            q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale, o, ht)
+        _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
+                                            scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s37) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s40) gives."""
 
 import functools
 import sys
@@ -30,6 +30,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (4, 16, 128, 128, 16)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
     (fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 32, 128, 128, 64)),
+    (fwd.fused_state_in_registers_kernel, ("gdn_fwd", 40), "fused_state_value_kernel", (16, 48, 128, 128, 64)),
+    (fwd.fused_state_in_registers_kernel, ("gdn_fwd", 40), "fused_state_value_kernel", (2, 8, 128, 128, 64)),
     # the backward (kernels/gdn_bwd/s02_fused_walks.py and the stages it runs); the walk with the
     # library's BV
     (bwd.prep_kernel, ("gdn_bwd", 2), "prep_kernel", (16, 32)),
@@ -51,26 +53,23 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
     assert builder(*shape).script() == getattr(load(*stage), stage_builder)(*shape).script()
 
 
-def test_promoted_wy_kernels_are_s36s(monkeypatch):
-    """The solve storing WY (``store_wy``) and the wide kernel without its WY pass (``wy_stored``) build
-    gdn_fwd.s36's programs and compile with its options; without the flags, s06's and s34's (above)."""
+def test_solve_storing_wy_is_s36s(monkeypatch):
+    """The solve storing WY (``store_wy``) builds gdn_fwd.s36's program and compiles with its options;
+    without the flag, gate_free_solve.s06's (above)."""
     s36 = load("gdn_fwd", 36)
     assert fwd.gate_free_solve_kernel(16, 64, 4, True).script() == s36.gated_solve_kernel(16, 64, 4).script()
     assert fwd.gate_free_solve_kernel(16, 48, 3, True).script() != fwd.gate_free_solve_kernel(16, 48, 3).script()
-    for shape in ((16, 48, 128, 128, 64), (8, 32, 128, 128, 64)):
-        assert fwd.fused_state_value_kernel(*shape, True).script() == s36.fused_state_value_kernel(*shape).script()
     calls = record_compiles(monkeypatch)
     fwd._compiled.__wrapped__(fwd.gate_free_solve_kernel, 16, 48, 3, True)
     s36._solve.__wrapped__(16, 48, 3)
-    fwd._compiled.__wrapped__(fwd.fused_state_value_kernel, 16, 48, 128, 128, 64, True)
-    s36._wide.__wrapped__(16, 48, 128, 128, 64)
-    assert calls[0] == calls[1] and calls[2] == calls[3]
+    assert calls[0] == calls[1]
 
 
 def test_store_wy_is_the_stage_rule():
-    """The library stores WY in the solve exactly where gdn_fwd.s37 does (BV 64, unsplit, three or four
-    heads a CTA), on the benchmark's 40 problems (132 SMs) and two more: (16, 48) and (16, 64) from
-    1x2048 to 28672+4096, and (2, 8) 8x4096 (the other batches of 8 run at BV 128)."""
+    """The library stores WY in the solve (and runs gdn_fwd.s40's kernel) exactly where gdn_fwd.s37 does
+    (BV 64, unsplit, three or four heads a CTA), on the benchmark's 40 problems (132 SMs) and two more:
+    (16, 48) and (16, 64) from 1x2048 to 28672+4096, and (2, 8) 8x4096 (the other batches of 8 run at
+    BV 128)."""
     s37 = load("gdn_fwd", 37)
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(autocp, "num_sms", lambda device: 132)
@@ -121,7 +120,7 @@ S27_KERNEL = {("gate_free_solve", 6): "solve", ("gdn_fwd", 18): "windows", ("gdn
 def compile_as_s34(stage, shape):
     """Compile a forward stage's builder as gdn_fwd.s34 (the library's forward) compiles it: the cumsum
     as s29, the cumsum-and-solve kernel as s31 at gate_free_solve.s14's CTAs an SM, the wide fused
-    kernel as s34, the rest as s27."""
+    kernel as s34, the kernel with the state in registers as s40, the rest as s27."""
     s34 = load("gdn_fwd", 34)
     if stage == ("chunk_local_cumsum", 3):
         return s34.S33.S32.S31.S30.S29._cumsum.__wrapped__(*shape)
@@ -129,6 +128,8 @@ def compile_as_s34(stage, shape):
         return s34.S33.S32.S31._cumsum_solve.__wrapped__(*shape, s34.S33.S32.SOLVE.ctas_per_sm(shape[2]))
     if stage == ("gdn_fwd", 34):
         return s34._wide.__wrapped__(*shape)
+    if stage == ("gdn_fwd", 40):
+        return load("gdn_fwd", 40)._wide.__wrapped__(*shape)
     return s34.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
 
 
@@ -253,15 +254,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s37's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s40's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s37 = load("gdn_fwd", 37)
+    s40 = load("gdn_fwd", 40)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s37.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s40.forward)]
     run_on_threads(calls)
 
 
@@ -296,14 +297,14 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(4, 16, (1500, 77)), None),
     (Problem(8, 24, (2000,)), None),                                # ... 1 head a CTA: 3 don't fill
     (Problem(16, 16, (1000,)), None),                               # BV 16 (s12's kernel)
-    (Problem(16, 48, (3000,)), None),                               # WY stored by the solve (s37)
+    (Problem(16, 48, (3000,)), None),                               # WY stored by the solve, s40's kernel
     (Problem(8, 32, (2500, 1, 700)), None),                         # ... four heads a CTA, varlen
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
         "solve-spread", "solve-spread-varlen", "solve-one", "narrowest", "wy-stored", "wy-stored-varlen"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s37's kernels in s37's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s40's kernels in s40's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 37).forward(**x, cp=cp)
+    want = load("gdn_fwd", 40).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
