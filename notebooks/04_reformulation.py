@@ -2276,8 +2276,9 @@ assert "T.tma_copy(o_s, o[t0:t0 + C" in src34 and "T.wgmma_gemm(q_s" in src34
 # below with the peers (one H100; each run's rows beside the peers of the same run):
 
 # %%
-runs_s34 = ("6dddd4e", "357e1d9", "f496a5f")
-rows_s34 = [r for r in bench.read_csv(CSV_PATH) if r["commit"][:7] in runs_s34]
+# the runs that timed s34 and s36 (6dddd4e, 357e1d9, f496a5f), kept apart in `gdn_fwd_wide_kernel.csv`
+# since a later run (679347d) replaced the API and peer rows of some of their problems in `gdn_fwd.csv`
+rows_s34 = bench.read_csv(bench.RESULTS / "gdn_fwd_wide_kernel.csv")
 t_s34 = {(r["problem"], r["impl"]): (float(r["ms"]), r["commit"][:7]) for r in rows_s34}
 impls_s34 = ("gdn_fwd/s34_output_overlap", "gdn_fwd/s36_wy_in_the_solve", "flashqla.chunk_gated_delta_rule",
              "FlashQLA", "FLA (gdn_fwd/s00_fla)")

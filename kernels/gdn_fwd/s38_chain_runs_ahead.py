@@ -22,7 +22,28 @@ chain (S_c -> K S_c -> W -> WY W -> Vd -> S_{c+1}, a dependent sequence of three
 shared-memory hand-offs) sets the pace where it has no wait on that warpgroup. s36's chain still
 waited on it three times a chunk.
 
-Measured effect: see the closing table below (filled in by its GPU run).
+Measured effect: slower. Its GPU tests passed (one H100, commit 924ffec: s37's bits on four
+problems, eagerly and from a CUDA graph; the gdn_fwd check against float64; the public shapes). The
+forward, ``bench.time_row`` in one process (the API running s37's kernels), ms:
+
+    problem              s34      s37      s38
+    (16, 48) 1x8192     0.3747   0.3424   0.3518
+    (16, 64) 1x8192     0.3884   0.3803   0.3888
+    (16, 48) 1x32768    1.4615   1.3431   1.3712
+    (16, 64) 1x32768    1.5430   1.4978   1.5281
+    (2, 8) 8x4096       0.2091   0.1974   0.2052
+    (16, 48) 1x2048     0.1063   0.0967   0.0980
+
+1.01-1.04x s37's time. The role timeline (same commit, (16, 64) 1x8192, cycles a chunk with the
+stamps' cost) says why: in s37 the value warpgroup waited on the scores / output warpgroup for 3 %
+of its span (``bar_scores_ready``) and 2 % (``bar_vn_free``), the state warpgroup 3 %
+(``bar_state_free``): the chain was not waiting on it. The chain itself (state -> value -> state)
+sets the pace: the state warpgroup waits 54 % of its 5847 cycles for Vd, the value warpgroup spends
+2242 on its own work (the copies of U, W, V~ and Vd between registers and shared memory), 927 in
+wgmma and 678 at named barriers. With the stamps s38's span reads 5575 cycles a chunk, yet without
+them the forward is slower: the few hundred cycles of waits it removed are within what the stamps
+themselves cost, and the masked Vd pass and two-slot buffers add instructions on the chain.
+gdn_fwd.s39 takes the chain's hand-offs out instead.
 
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """

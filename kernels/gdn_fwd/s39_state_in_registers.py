@@ -30,7 +30,25 @@ waits on the scores / output warpgroup for more than 3 %. Letting the chain run 
 (gdn_fwd.s38) did not help. The three products of the chain are 2.5 MFLOP a chunk, under 400 cycles
 of a warpgroup's tensor-core rate; the hand-offs were the rest.
 
-Measured effect: see the closing table below (filled in by its GPU run).
+Measured effect. Its GPU tests passed (one H200, commit d03048d: the gdn_fwd check against
+float64 on five problems where it runs, flagged chunks included, and the same bits eagerly and from
+a CUDA graph; the public shapes; AutoCP's tests). The forward, ``bench.time_row`` in one process,
+one H200 (the API running s37's kernels), ms:
+
+    problem              s37      s39
+    (16, 48) 1x8192     0.3454   0.3182
+    (16, 64) 1x8192     0.3810   0.3602
+    (16, 48) 1x32768    1.3556   1.2554
+    (16, 64) 1x32768    1.4865   1.4078
+    (2, 8) 8x4096       0.1937   0.1825
+    (16, 48) 1x2048     0.0945   0.0873
+    (16, 64) 28672+4096 1.4896   1.4158
+
+0.92-0.95x s37's time. The role timeline (same run, (16, 64) 1x8192, with the stamps' cost): the
+chain's span is 4885 cycles a chunk (s37's 5847); 2510 of them are its own instructions (the bf16
+conversions, the stores of S_c^T and V~_c^T, the passes over U^T and V~^T), 1327 wgmma and 495
+TileLang's named barriers. The scores warpgroup waits 48 % of its span: the chain still sets the
+pace, now on its instruction stream.
 
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """

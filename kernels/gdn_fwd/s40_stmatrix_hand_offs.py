@@ -16,7 +16,37 @@ Why: s39's role timeline (one H200, commit d03048d, (16, 64) 1x8192, stamped) ha
 passes over U^T and V~^T) and 1327 in wgmma: the chain's instruction stream, not its tensor cores,
 sets the pace.
 
-Measured effect: see the closing table below (filled in by its GPU run).
+Measured effect. Its GPU tests passed (one H200, commit a96646a: s39's bits on four problems,
+eagerly and from a CUDA graph, and the gdn_fwd check against float64, flagged chunks included; the
+public shapes; AutoCP's tests). The forward, ``bench.time_row`` in one process, one H200, ms:
+
+    problem              s37      s39      s40
+    (16, 48) 1x8192     0.3416   0.3177   0.3110
+    (16, 64) 1x8192     0.3774   0.3628   0.3571
+    (16, 48) 1x32768    1.3495   1.2474   1.2260
+    (16, 64) 1x32768    1.4831   1.3951   1.3844
+    (2, 8) 8x4096       0.1912   0.1812   0.1801
+    (16, 48) 1x2048     0.0941   0.0871   0.0860
+    (16, 64) 28672+4096 1.4827   1.3952   1.3889
+
+0.98-0.99x s39's time, 0.91-0.95x s37's. The stamps ((16, 64) 1x8192) move little: the chain's span
+4835 cycles a chunk, its own work 2461, named barriers 437. Promoted (679347d): the library runs
+this kernel where s37 stores WY (bit for bit, tests/test_promoted.py). With the peers in the same
+run (``python -m flashqla bench``, one H100, commit 679347d), ms:
+
+    problem              s40      API (s40)  FlashQLA   FLA
+    (16, 48) 1x2048     0.0894    0.0888     0.1086    0.2132
+    (16, 48) 1x8192     0.3156    0.3158     0.3687    0.7535
+    (16, 48) 1x32768    1.2208    1.2387     1.4135    3.2343
+    (16, 48) 28672+4096 1.1574    1.1464     1.9432    3.2094
+    (16, 64) 1x2048     0.1032    0.1029     0.1210    0.2591
+    (16, 64) 1x8192     0.3576    0.3583     0.4082    0.9650
+    (16, 64) 1x32768    1.3955    1.3955     1.5681    4.1806
+    (16, 64) 28672+4096 1.4104    1.4186     1.7929    4.1883
+    (2, 8) 8x4096       0.1857    0.1859     0.2061    0.5225
+
+The API at 1.11-1.70x FlashQLA's speed there; (16, 64) 1x32768 at 2.69x the floor (useful FLOPs at
+the bf16 GEMM roof measured in the same run), 271 TFLOP/s.
 
 Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
 """
