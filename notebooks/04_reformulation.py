@@ -2331,8 +2331,83 @@ for prob in ("(16, 48) 1x32768", "(16, 48) 1x8192", "(16, 64) 1x32768"):   # the
 # At 64 value columns a CTA s36 takes 0.90-1.01x s34's time and passes FlashQLA on (16, 48)
 # 1 x 32768 (1.326 against 1.405 ms); at 128 it is 1.13-1.15x slower (`gdn_fwd.s37`'s docstring):
 # there one CTA holds a whole head, so the wide kernel built WY once a head already, and the
-# solve's added exponentials cost more. `gdn_fwd.s37` stores WY only at 64 columns; it is not yet
-# in the library (its GPU tests have not run).
+# solve's added exponentials cost more. `gdn_fwd.s37` stores WY only at 64 columns.
+#
+# ## The chain in registers
+#
+# With WY off the scores / output warpgroup, the clock moves the pace to the chain. s37's kernel on
+# the same problem (one H100, commit 924ffec):
+
+# %%
+print(role_timeline_lab.report_rows([r for r in roles_rows if r["impl"] == "gdn_fwd.s37"]))
+# the state warpgroup waits over half its span for Vd; nobody waits long on the scores / output
+# warpgroup any more (the value warpgroup's waits on it: bar_scores_ready, bar_vn_free)
+assert share["(16, 64) 1x8192", "gdn_fwd.s37", "state", "wait bar_vd_ready"] > 0.5
+assert (share["(16, 64) 1x8192", "gdn_fwd.s37", "value", "wait bar_scores_ready"]
+        + share["(16, 64) 1x8192", "gdn_fwd.s37", "value", "wait bar_vn_free"]) < 0.1
+
+# %% [markdown]
+# The chain is $S_c \to U = K S_c \to W \to \tilde V = W\!Y\, W \to V_d \to S_{c+1}$: three
+# dependent products with a shared-memory hand-off between warpgroups after each (a store, a fence, an
+# mbarrier). `gdn_fwd.s38` lets the chain run ahead of the output (no wait on the scores, two slots
+# for $S_c$ and $\tilde V_c$) and is 1.01-1.04x slower: it was not waiting there.
+#
+# `gdn_fwd.s39` rewrites the kernel so that the chain never leaves registers. It holds the state
+# transposed, $S^\top$ (64 value columns by 128 keys), because wgmma takes its left operand from
+# registers and its M dimension is 64: with $S^\top$ on the left, every product of the chain has a
+# register fragment on the left and a tile the producer loaded on the right,
+#
+# $$U^\top = S^\top K^\top,\qquad \tilde V^\top = V^\top W\!Y^\top - (U^\top D)\, W\!Y^\top,\qquad
+# S^\top \leftarrow e^{g_C} S^\top + (\tilde V^\top D_C)\, K,$$
+#
+# with $D = \mathrm{diag}(e^{g})$ and $D_C = \mathrm{diag}(e^{g_C - g})$. $V^\top W\!Y^\top$ needs no
+# state and is issued first. The chain stores $S_c^\top$ and $\tilde V_c^\top$ only for the output
+# warpgroup, whose products take them as transposed right operands; the roles are s12's (chain,
+# scores, output, producer), the scores building $P$ only. The chain's chunk body:
+
+# %%
+s39 = load("gdn_fwd", 39)
+src39 = inspect.getsource(s39.fused_state_value_kernel)
+print(src39[src39.index("# V~^T <- V^T WY^T, issued"):src39.index("T.barrier_arrive(bar_tiles_empty[b])")].rstrip())
+assert "T.gemm(x_a, k_s[b, :, :], st_f)" in src39 and "T.copy(st_f, st_a)" in src39
+
+# %% [markdown]
+# It takes 0.92-0.95x s37's time (one H200, its docstring); `gdn_fwd.s40` lowers the chain's two
+# stores to `stmatrix` and moves $V_d$'s mask into the producer's $e^{g_C - g}$: 0.98-0.99x s39's.
+# The stamps of both, same problem:
+
+# %%
+print(role_timeline_lab.report_rows([r for r in roles_rows if r["impl"] in ("gdn_fwd.s39", "gdn_fwd.s40")]))
+span = {(r["impl"], r["role"]): int(r["span_cycles_per_chunk"]) for r in roles_rows if r["problem"] == "(16, 64) 1x8192"}
+assert span["gdn_fwd.s40", "chain"] < span["gdn_fwd.s39", "chain"] < 0.85 * span["gdn_fwd.s37", "state"]
+# the scores warpgroup now idles half its span: the chain, on its own instructions, sets the pace
+assert share["(16, 64) 1x8192", "gdn_fwd.s40", "scores", "wait bar_tiles_full"] > 0.4
+assert share["(16, 64) 1x8192", "gdn_fwd.s40", "chain", "work"] > 0.45
+
+# %% [markdown]
+# The library runs s40's kernel where s37 stores WY (bit for bit, `tests/test_promoted.py`). The
+# benchmark's rows of that run, the peers in the same process (one H100, commit 679347d):
+
+# %%
+rows_40 = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("679347d")]
+t_40 = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows_40}
+impls_40 = ("gdn_fwd/s40_stmatrix_hand_offs", "flashqla.chunk_gated_delta_rule", "FlashQLA", "FLA (gdn_fwd/s00_fla)")
+print(f"{'problem':22s} " + " ".join(f"{n:>9s}" for n in ("s40", "API=s40", "FlashQLA", "FLA")))
+problems_40 = list(dict.fromkeys(r["problem"] for r in rows_40))
+for prob in problems_40:
+    print(f"{bench.short_label(prob):22s} " + " ".join(f"{t_40[prob, i]:9.4f}" for i in impls_40))
+assert len(problems_40) == 9
+for prob in problems_40:
+    assert t_40[prob, "flashqla.chunk_gated_delta_rule"] < t_40[prob, "FlashQLA"]
+
+# %% [markdown]
+# 1.11-1.70x FlashQLA's speed on these nine; (16, 48) 1 x 32768 goes from 0.97x to 1.14x, and
+# (16, 64) 1 x 32768 takes 1.396 ms, 2.69x the floor. What is left on the chain is its own
+# instruction stream (2461 of 4835 stamped cycles a chunk: bf16 conversions, the stores for the
+# output, the passes over $U^\top$ and $\tilde V^\top$) and TileLang's named barriers, against
+# about 800 cycles of tensor-core time for its three products. The kernel needs 64 value columns a
+# chain (one wgmma M tile), so the batches (128 columns a CTA) and the split problems (16 or 32)
+# still run s34's and s12's kernels.
 
 # %% [markdown]
 #
@@ -2405,3 +2480,8 @@ for prob in ("(16, 48) 1x32768", "(16, 48) 1x8192", "(16, 64) 1x32768"):   # the
 #   the value warpgroup and is 1.22-1.50x slower; `gdn_fwd.s36` has the solve store it: 0.90-1.01x
 #   s34's time at 64 value columns a CTA ((16, 48) 1 x 32768 at 1.326 ms against FlashQLA's 1.405),
 #   1.13-1.15x at 128, so `gdn_fwd.s37` keeps it to 64 columns.
+# - Then the chain sets the pace. `gdn_fwd.s39` holds the state transposed in the chain's registers,
+#   so that its three products take register fragments on the left and no hand-off goes through
+#   shared memory: 0.92-0.95x s37's time; `gdn_fwd.s40` (stmatrix stores) 0.98-0.99x s39's. The
+#   library runs it: 1.11-1.70x FlashQLA's speed on the nine problems where it runs, (16, 64)
+#   1 x 32768 at 1.396 ms (2.69x the floor; one H100, 679347d).

@@ -289,16 +289,17 @@ def test_role_timeline_lab_attributes_each_interval_to_its_first_stamp():
 
 def test_role_timeline_holds_what_the_stages_quote():
     """``results/role_timeline.csv`` (profiles/role_timeline_lab.py) prints per role, and holds what
-    gdn_fwd.s34's and s35's docstrings quote on (16, 64) 1x8192: the wide kernel's scores / output
+    gdn_fwd.s34's to s40's docstrings quote on (16, 64) 1x8192: the wide kernel's scores / output
     warpgroup waits under 12 % of its span in the library's and s34's kernels; s34's own work there
-    3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252."""
+    3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252; s37's state span
+    5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461)."""
     import csv
     import subprocess
 
     path = bench.RESULTS / "role_timeline.csv"
     out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "role_timeline_lab.py"), "report", str(path)],
                          capture_output=True, text=True, check=True).stdout
-    assert out.count("cycles per chunk") == 6
+    assert out.count("cycles per chunk") == 11
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192"]
 
@@ -311,3 +312,7 @@ def test_role_timeline_holds_what_the_stages_quote():
                    if (r["impl"], r["role"]) == (impl, "scores/output") and r["activity"].startswith("wait")) < 0.12
     assert (cycles("gdn_fwd.s34", "scores/output", "work"), cycles("API", "scores/output", "work")) == (3735, 3873)
     assert (cycles("gdn_fwd.s35", "value", "work"), cycles("gdn_fwd.s34", "value", "work")) == (6635, 2252)
+    span = {(r["impl"], r["role"]): int(r["span_cycles_per_chunk"]) for r in rows}
+    assert (span["gdn_fwd.s37", "state"], cycles("gdn_fwd.s37", "value", "work")) == (5847, 2242)
+    assert (span["gdn_fwd.s39", "chain"], cycles("gdn_fwd.s39", "chain", "work")) == (4885, 2510)
+    assert (span["gdn_fwd.s40", "chain"], cycles("gdn_fwd.s40", "chain", "work")) == (4835, 2461)
