@@ -429,9 +429,10 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35, 36, 37, 38, 39, 40],
+                                        34, 35, 36, 37, 38, 39, 40, 41],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
-                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37", "s38", "s39", "s40"])
+                     "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37", "s38", "s39", "s40",
+                     "s41"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -443,7 +444,7 @@ def stage(request):
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
     kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only, s38 s37's with the chain
     running ahead of the output, s39 s37's with the state in registers,
-    s40 s39's with stmatrix hand-offs), with its kernels (and those of the chain it runs) compiled on threads first."""
+    s40 s39's with stmatrix hand-offs, s41 s40's with -WY D K from the scores), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -1010,11 +1011,12 @@ def test_s38_chain_ahead_gives_s37s_bits(problem):
     (Problem(16, 64, (1700,), varlen=False), False),                # no cu_seqlens
     (Problem(16, 48, (3000,)), True),                               # flagged chunks
 ], ids=["varlen", "16-48", "8-32", "batch", "flagged"])
-@pytest.mark.parametrize("number", [39, 40])
-def test_s39_s40_state_in_registers_pass_the_check(problem, flagged, number):
-    """gdn_fwd.s39 and s40 where their kernel runs (s37's ``stores_wy``): the gdn_fwd check against
+@pytest.mark.parametrize("number", [39, 40, 41])
+def test_s39_s40_s41_state_in_registers_pass_the_check(problem, flagged, number):
+    """gdn_fwd.s39, s40 and s41 where their kernel runs (s37's ``stores_wy``): the gdn_fwd check against
     float64, also with chunks whose beta ||k||^2 > 2 (the solve's gated path); and the same bits
-    eagerly, from a CUDA graph and replayed on new inputs (s40: s39's bits)."""
+    eagerly, from a CUDA graph and replayed on new inputs (s40: s39's bits; s41 rounds another
+    product, its own)."""
     from flashqla.stages import load
 
     stage = load("gdn_fwd", number)
@@ -1024,7 +1026,8 @@ def test_s39_s40_state_in_registers_pass_the_check(problem, flagged, number):
     assert stage.S37.stores_wy(x["q"], x["v"], x["cu_seqlens"], None)
     check_op("gdn_fwd", lambda **kw: stage.forward(**kw), x)
     if not flagged:
-        assert_same_bits_eager_and_in_a_graph(stage, load("gdn_fwd", 39), problem, None, seed=16)
+        assert_same_bits_eager_and_in_a_graph(stage, load("gdn_fwd", 41 if number == 41 else 39), problem, None,
+                                              seed=16)
 
 
 def test_s33_goes_to_sixteen_columns_only_on_short_single_sequences():
