@@ -2408,6 +2408,17 @@ for prob in problems_40:
 # about 800 cycles of tensor-core time for its three products. The kernel needs 64 value columns a
 # chain (one wgmma M tile), so the batches (128 columns a CTA) and the split problems (16 or 32)
 # still run s34's and s12's kernels.
+#
+# `gdn_fwd.s41` hands the first product of the correction to the scores warpgroup, idle half its
+# span: since $(U^\top D)\, W\!Y^\top = S^\top (W\!Y D K)^\top$, it builds $M = -W\!Y D K$ once the tiles are
+# in, and the chain adds $S_c^\top M^\top$ to $V^\top W\!Y^\top$ in one accumulator: two products on
+# the chain instead of three. The forward is 1.02-1.04x slower (one H100, f7b01a9): the scores
+# warpgroup becomes the pacer, and the chain waits for $M$:
+
+# %%
+print(role_timeline_lab.report_rows([r for r in roles_rows if r["impl"] == "gdn_fwd.s41"]))
+assert waits("(16, 64) 1x8192", "gdn_fwd.s41", "scores") < 0.15
+assert share["(16, 64) 1x8192", "gdn_fwd.s41", "chain", "wait bar_m_ready"] > 0.05
 
 # %% [markdown]
 #
@@ -2484,4 +2495,5 @@ for prob in problems_40:
 #   so that its three products take register fragments on the left and no hand-off goes through
 #   shared memory: 0.92-0.95x s37's time; `gdn_fwd.s40` (stmatrix stores) 0.98-0.99x s39's. The
 #   library runs it: 1.11-1.70x FlashQLA's speed on the nine problems where it runs, (16, 64)
-#   1 x 32768 at 1.396 ms (2.69x the floor; one H100, 679347d).
+#   1 x 32768 at 1.396 ms (2.69x the floor; one H100, 679347d). Moving $-W\!Y D K$ to the scores
+#   warpgroup (`gdn_fwd.s41`) makes that warpgroup the pacer: 1.02-1.04x slower.

@@ -292,14 +292,14 @@ def test_role_timeline_holds_what_the_stages_quote():
     gdn_fwd.s34's to s40's docstrings quote on (16, 64) 1x8192: the wide kernel's scores / output
     warpgroup waits under 12 % of its span in the library's and s34's kernels; s34's own work there
     3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252; s37's state span
-    5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461)."""
+    5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461); s41's scores warpgroup 5157 (3069)."""
     import csv
     import subprocess
 
     path = bench.RESULTS / "role_timeline.csv"
     out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "role_timeline_lab.py"), "report", str(path)],
                          capture_output=True, text=True, check=True).stdout
-    assert out.count("cycles per chunk") == 11
+    assert out.count("cycles per chunk") == 12
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192"]
 
@@ -316,3 +316,4 @@ def test_role_timeline_holds_what_the_stages_quote():
     assert (span["gdn_fwd.s37", "state"], cycles("gdn_fwd.s37", "value", "work")) == (5847, 2242)
     assert (span["gdn_fwd.s39", "chain"], cycles("gdn_fwd.s39", "chain", "work")) == (4885, 2510)
     assert (span["gdn_fwd.s40", "chain"], cycles("gdn_fwd.s40", "chain", "work")) == (4835, 2461)
+    assert (span["gdn_fwd.s41", "scores"], cycles("gdn_fwd.s41", "scores", "work")) == (5157, 3069)

@@ -15,7 +15,27 @@ Precision: M is rounded to bf16 (FLA's w is too); s40 rounded diag(exp g) U inst
 Why: s40's chain (its role timeline, (16, 64) 1x8192) spends 2461 of its 4835 stamped cycles a chunk
 on its own instructions and 1353 in wgmma, waiting on each product before the next.
 
-Measured effect: see its GPU run (below).
+Measured effect: slower; not promoted. Its GPU tests passed (one H100, commit f7b01a9: the gdn_fwd
+check against float64 on five problems, flagged chunks included, the same bits eagerly and from a
+CUDA graph; the public shapes; AutoCP's tests). The forward, ``bench.time_row`` in one process,
+one H100, ms:
+
+    problem              s40      s41
+    (16, 48) 1x8192     0.3198   0.3309
+    (16, 64) 1x8192     0.3696   0.3812
+    (16, 48) 1x32768    1.2532   1.3067
+    (16, 64) 1x32768    1.4322   1.4804
+    (2, 8) 8x4096       0.1901   0.1944
+    (16, 48) 1x2048     0.0906   0.0938
+    (16, 64) 28672+4096 1.4140   1.4774
+
+1.02-1.04x s40's time. The role timeline (same run, (16, 64) 1x8192, with the stamps' cost) says
+why: the scores warpgroup now spends 3069 of its 5157 cycles a chunk on its own work (the pass
+that scales and negates WY, the stores of M to shared memory, P) and 1033 in wgmma, and waits
+under 10 %; the chain waits 532 cycles a chunk for M (``bar_m_ready``). The chain's own work went
+from 2461 to 2353 cycles and its wgmma from 1353 to 1199: the pace moved to the scores warpgroup,
+whose new work costs more than the chain saved. M's stores go through a two-stage buffer (a slice:
+no stmatrix) and its pass reads WY from shared memory in the A operand's layout.
 
 Taught in: notebooks/04_reformulation.py ("The chain in registers")
 """
