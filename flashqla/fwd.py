@@ -3,9 +3,13 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s34's
-pipeline: s33's with the wide fused kernel's scores / output warpgroup lighter (O's TMA store left
-running, Gamma built while Q K^T runs, O's row factor from the producer's exp(g)). s33's is s32's
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s40's
+pipeline: s37's, where the fused kernel runs unsplit at 64 value columns a CTA after s06's solve
+(three or four heads a CTA), has the solve store WY = Gamma * Ab (gdn_fwd.s36's solve) and s40's
+fused kernel there (the state transposed in the chain's registers, s39; its hand-offs by stmatrix,
+s40); elsewhere it is s34's: s33's with the wide fused kernel's scores / output warpgroup lighter
+(O's TMA store left running, Gamma built while Q K^T runs, O's row factor from the producer's
+exp(g)). s33's is s32's
 with a fourth width, 16 value columns a CTA of the fused kernel where one wave holds
 them. s32's is s29's with the chunk table and the cumsum made in the solve's prologue where a CTA
 solves one or two value heads (gate_free_solve.s13, s31), compiled at six or five CTAs an SM
@@ -111,6 +115,14 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                        and O's row factor off the scores / output
                                                        warpgroup's path: 0.97-0.99x s33's forward
                                                        (one H100, 60ac878)
+    gdn_fwd.s36 (solve, WY)  s06's solve storing WY = Gamma * Ab (a flagged head's Ab already holds
+                             the gate), where gdn_fwd.s37 runs unsplit at BV = 64 after it
+    gdn_fwd.s40 (fused,      the same inputs (ab holding WY) and outputs: s12's roles, the chain
+     64, WY stored)          holding S^T in registers as wgmma's left operand (U^T = S^T K^T,
+                             V~^T = V^T WY^T - (U^T D) WY^T, S^T += Vd^T K), S_c^T and V~_c^T
+                             stored by stmatrix for the output warpgroup: 0.91-0.95x s37's forward
+                             (one H200, a96646a); (16, 64) 1 x 32768 1.396 ms against
+                             FlashQLA's 1.568 (one H100, 679347d)
 
 ``forward`` takes the sequence bounds (``flashqla.varlen.seq_bounds``; the chunk table comes from
 the cumsum) and AutoCP's plan (``flashqla.autocp``:
