@@ -2333,7 +2333,7 @@ for prob in ("(16, 48) 1x32768", "(16, 48) 1x8192", "(16, 64) 1x32768"):   # the
 # there one CTA holds a whole head, so the wide kernel built WY once a head already, and the
 # solve's added exponentials cost more. `gdn_fwd.s37` stores WY only at 64 columns.
 #
-# ## The chain in registers
+# ### The chain in registers (s38-s41)
 #
 # With WY off the scores / output warpgroup, the clock moves the pace to the chain. s37's kernel on
 # the same problem (one H100, commit 924ffec):
