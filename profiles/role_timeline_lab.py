@@ -44,7 +44,8 @@ from pathlib import Path
 
 from flashqla.testing import Problem
 
-PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2048,)), Problem(8, 32, (8192,))]
+PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2048,)), Problem(8, 32, (8192,)),
+            Problem(16, 16, (4096,) * 8), Problem(16, 64, (4096,) * 8)]  # the last two at BV 128
 ROLES = {"gdn_fused_state_value_kernel": ("state", "value", "scores/output", "producer"),
          "gdn_fused_ws_lean_kernel": ("chain", "scores", "output", "producer"),
          "gdn_fused_state_in_registers_kernel": ("chain", "scores", "output", "producer")}  # gdn_fwd.s39
