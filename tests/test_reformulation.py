@@ -238,3 +238,30 @@ def test_more_ctas_an_sm_give_s13s_bits(heads, kind):
     for have, expected in zip(got, want):
         assert torch.equal(have, expected)
     assert kind != "unnormalized_keys" or 0 < int(got[4].sum()) < got[4].numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_levels_on_mma_pass_the_check_and_keep_s06s_flagged_path(kind):
+    """gate_free_solve.s15 (phase B's block levels on mma.sync, tf32) on adversarial inputs, four value
+    heads a CTA: Ab within the solve's derived bound of float64 (gate-free: g_cum = 0); with the
+    gate, the flags and the flagged heads' rows are s06's bit for bit (their path is s06's), and the
+    others within 1e-2 of s06's. WY (``store_wy``) is checked through gdn_fwd.s42 (test_autocp)."""
+    from flashqla.testing import op_inputs
+
+    s06, s15 = stages.load("gate_free_solve", 6), stages.load("gate_free_solve", 15)
+    x = adversarial_inputs(kind)
+    check_op("gate_free_solve", s15.run, op_inputs("gate_free_solve", x))
+    k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
+    g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
+    (want, want_gated), (got, got_gated) = (s.solve(k, beta, g_cum, cu) for s in (s06, s15))
+    assert torch.equal(got_gated, want_gated)
+    bounds, _ = chunk_table(cu, 1, k.shape[1], C, k.device)
+    flagged = torch.zeros(k.shape[1], beta.shape[2], dtype=torch.bool, device=k.device)
+    for row, (s, e) in enumerate(bounds.tolist()):
+        flagged[s:e] = got_gated[row].bool()
+    assert torch.equal(got[0][flagged], want[0][flagged])
+    if kind == "unnormalized_keys":
+        assert flagged.any() and not flagged.all()
+    assert rel_l2(got[0][~flagged].float(), want[0][~flagged].float()) < 1e-2
