@@ -170,7 +170,7 @@ FIXED_STEPS = 16                       # sequence, once
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
-SOLVE_HALF = 32       # gate_free_solve.s08: the tensor-core level, 32 x 32 halves of the inverse
+KKT_STRIDE = 72       # gate_free_solve.s15: K K^T's rows padded so that a quad's 8-byte mma B loads hit 32 banks
 SOLVE_TF32_MAX_HEADS = 2  # gate_free_solve.s09: s08's kernel where a CTA holds at most this many heads
 SOLVE_CTAS_PER_SM = {1: 6, 2: 5}  # gate_free_solve.s14: its __launch_bounds__(128, n) at 1 or 2 heads a CTA
 WY_BLOCK_V = 64           # gdn_fwd.s37: the width at which the solve stores WY (unsplit, three or four heads a CTA),
@@ -321,8 +321,9 @@ def chunk_local_cumsum_kernel(HV: int):
     return chunk_local_cumsum_table
 
 
-# ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py; its A entries and phases A and B
-# (``a_elem``, ``solve_phases``) also serve s08's kernel below, with X's other layout
+# ---- promoted from kernels/gate_free_solve/s06_balanced_columns.py (the grouping of heads, A's entries,
+# phase A and the flagged heads' phase B) and s15_levels_on_mma.py (the unflagged heads' phase B on
+# mma.sync, ``phase_b_on_mma``, and the kernel, BLOCK renamed SOLVE_BLOCK); both solves run them
 def cta_heads(H: int, HV: int) -> int:
     """The largest divisor of HV / H up to MAX_HEADS_PER_CTA: the value heads sharing one K K^T."""
     group = HV // H
@@ -408,10 +409,86 @@ def solve_phases(T, x_at):
     return phase_a, phase_b
 
 
+def tf32(T, x):
+    """x rounded to the nearest tf32 (10 mantissa bits; the low 13 bits then cleared)."""
+    return T.reinterpret((T.reinterpret(x, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
+
+
+def phase_b_on_mma(T, store_wy: bool):
+    """Phase B of an unflagged head as a TileLang macro: warp by warp, the block column jb of head r
+    walked down on mma.sync (the module doc), then Ab's column block stored (or WY if ``store_wy``)."""
+    NB = CHUNK_SIZE // SOLVE_BLOCK
+
+    @T.macro
+    def mma(a_frag, a_at, b_frag, acc, acc_at):
+        # acc[acc_at : +4] += A (16 x 8, a_frag[a_at : +4]) B (8 x 8, b_frag[0:2]), tf32 in, fp32 out
+        T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32",
+                  a_frag.data, a_at, b_frag.data, 0, acc.data, acc_at, T.bool(False))
+
+    def wy_gate(g_s, r, i, l):
+        # WY's gate for Ab entry (i, l): exp(g_i - g_l), the exponent clamped at 0 (zeros above the
+        # diagonal stay finite)
+        return T.exp2(T.min(g_s[r, i] - g_s[r, l], 0)) if store_wy else 1.0
+
+    @T.macro
+    def levels_on_mma(kkt_s, beta_s, g_s, xd_s, xa, ta, tc, xc, b, jb, gq, tq, r, n, hv0, bos, ab):
+        # xa[8 e + 4 kk ..]: X_{j+e, j}^T as A fragments (m = column c of the block, k = row i in the
+        # permuted order: k-step kk, lane quad tq holds rows 8 kk + 2 tq and 8 kk + 2 tq + 1)
+        for kk in T.unroll(2):
+            for s in T.unroll(4):
+                xa[4 * kk + s] = tf32(T, xd_s[r, SOLVE_BLOCK * jb + 8 * kk + 2 * tq + s // 2, gq + 8 * (s % 2)])
+        for d in T.unroll(1, NB):
+            if jb + d < NB:
+                for s in T.unroll(8):
+                    tc[s] = 0.0
+                # t^T <- sum_{e < d} X_{j+e, j}^T (K K^T)_{D, j+e}^T (n = row i of block D, two n-tiles)
+                for e in T.unroll(d):
+                    for nn in T.unroll(2):
+                        for kk in T.unroll(2):
+                            for s in T.unroll(2):
+                                b[s] = tf32(T, kkt_s[SOLVE_BLOCK * (jb + d) + 8 * nn + gq, SOLVE_BLOCK * (jb + e) + 8 * kk + 2 * tq + s])
+                            mma(xa, 8 * e + 4 * kk, b, tc, 4 * nn)
+                # t^T <- t^T diag(beta_D); as A fragments: accumulator (c0, c1, c2, c3) -> (c0, c2, c1, c3)
+                for nn in T.unroll(2):
+                    for s in T.unroll(4):
+                        ta[4 * nn + (s // 2) + 2 * (s % 2)] = tf32(
+                            T, tc[4 * nn + s] * beta_s[r, SOLVE_BLOCK * (jb + d) + 8 * nn + 2 * tq + s % 2])
+                for s in T.unroll(8):
+                    xc[s] = 0.0
+                # X_{D, j}^T <- -t^T X_DD^T
+                for nn in T.unroll(2):
+                    for kk in T.unroll(2):
+                        for s in T.unroll(2):
+                            b[s] = tf32(T, xd_s[r, SOLVE_BLOCK * (jb + d) + 8 * nn + gq, 8 * kk + 2 * tq + s])
+                        mma(ta, 4 * kk, b, xc, 4 * nn)
+                for kk in T.unroll(2):
+                    for s in T.unroll(4):
+                        xa[8 * d + 4 * kk + (s // 2) + 2 * (s % 2)] = tf32(T, -xc[4 * kk + s])
+        # Ab[:, col] = X[:, col] beta_col in bf16 from the fragments (rows < n); the block rows
+        # above j are zero
+        for d in T.unroll(NB):
+            if jb + d < NB:
+                for kk in T.unroll(2):
+                    for s in T.unroll(4):
+                        i = SOLVE_BLOCK * (jb + d) + 8 * kk + 2 * tq + s // 2
+                        col = SOLVE_BLOCK * jb + gq + 8 * (s % 2)
+                        if i < n:
+                            ab[bos + i, hv0 + r, col] = xa[8 * d + 4 * kk + s] * beta_s[r, col] * wy_gate(g_s, r, i, col)
+        for d in T.unroll(1, NB):
+            if jb >= d:
+                for kk in T.unroll(2):
+                    for s in T.unroll(4):
+                        i = SOLVE_BLOCK * (jb - d) + 8 * kk + 2 * tq + s // 2
+                        if i < n:
+                            ab[bos + i, hv0 + r, SOLVE_BLOCK * jb + gq + 8 * (s % 2)] = 0
+
+    return levels_on_mma
+
+
 def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool = False):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
     value heads of one key head (a divisor of HV / H); any token or chunk count. ``store_wy``
-    (gdn_fwd.s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
+    (gdn_s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // SOLVE_BLOCK
@@ -421,13 +498,15 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
 
     phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (r, SOLVE_BLOCK * b + 8 * half + q, j))
 
+    levels_on_mma = phase_b_on_mma(T, store_wy)
+
     @T.prim_func
-    def gate_free_solve_balanced(
+    def gate_free_solve_levels_on_mma(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
-        g_cum: T.Tensor((num_tokens, HV), "float32"),          # read only for flagged chunks
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # read for flagged chunks (and WY)
         chunk_bounds: T.Tensor((num_chunks, 2), "int32"),      # [start, end) of every chunk
-        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab
+        ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab (or WY)
         gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
     ):
         with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
@@ -436,23 +515,30 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
             warp = t // 32                                     # phase A: this warp's block column
             c = t % 16                                         # the lane's column within a block
             half = (t // 16) % 2                               # which half of each row sum
+            gq = (t % 32) // 4                                 # phase B: the lane's mma group ...
+            tq = t % 4                                         # ... and its place in the quad
             hv0 = i_r * R                                      # this CTA's first value head
             i_h = hv0 // group
             bos = chunk_bounds[i_c, 0]                         # first token of the chunk
             n = chunk_bounds[i_c, 1] - bos                     # its length, 0..64
 
             k_s = T.alloc_shared((C, K), "bfloat16")
-            kkt_s = T.alloc_shared((C, C), "float32")
+            kkt_s = T.alloc_shared((C, KKT_STRIDE), "float32")
             xd_s = T.alloc_shared((R, C, SOLVE_BLOCK), "float32")    # head r, row i: X's diagonal block row i
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
             kkt_f = T.alloc_fragment((C, C), "float32")
             x_a = T.alloc_local((R * 8,), "float32")           # phase A: X_jj[8 half + q, c] of head u at 8 u + q
-            x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
-            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
+            x_col = T.alloc_local((NB * 8,), "float32")        # flagged phase B: X_{j+l, j}[8 half + q, c] at 8 l + q
+            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # ... a level's row sums, both halves added
             acc = T.alloc_local((2 * R,), "float32")           # two partial sums of a row, per head
             row = T.alloc_local((R,), "float32")
+            xa = T.alloc_local((NB * 8,), "float32")           # mma phase B: X_{j+e, j}^T, A fragments
+            ta = T.alloc_local((8,), "float32")                # ... t^T as A fragments
+            tc = T.alloc_local((8,), "float32")                # ... t^T, two accumulators
+            xc = T.alloc_local((8,), "float32")                # ... -X_{D, j}^T, two accumulators
+            b = T.alloc_local((2,), "float32")                 # ... a B fragment
             any_flag = T.alloc_local((1,), "int32")
 
             # flag_r <- 0 (the barriers before K K^T order these stores before the ones below)
@@ -466,7 +552,8 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
                 g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
             # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
-            T.copy(kkt_f, kkt_s)
+            for i, j in T.Parallel(C, C):
+                kkt_s[i, j] = kkt_f[i, j]
             # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
             for r, i in T.Parallel(R, C):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
@@ -476,8 +563,8 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
             for r in T.unroll(R):
                 any_flag[0] = any_flag[0] | flag_s[r]
 
-            # phase A: warp w solves X_ww of every head, the heads' substitutions interleaved; a CTA
-            # with a flagged head solves its heads one at a time, each with its own A
+            # phase A (s06's): warp w solves X_ww of every head, the heads' substitutions interleaved;
+            # a CTA with a flagged head solves its heads one at a time, each with its own A
             if any_flag[0] == 0:
                 phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, 0, R, False)
             else:
@@ -488,48 +575,34 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
                         phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, False)
             T.sync_threads()
 
-            # phase B: for head r warp w walks block column block_column(w, r) down (the columns'
-            # work is 9, 5, 2 and 0 block products; the Latin square spreads them), then stores
-            # Ab[:, col] = X[:, col] beta_col in bf16 straight from registers (rows < n)
+            # phase B: for head r warp w walks block column jb down (s06's Latin square)
             for r in T.serial(R):
-                # block column of head r: a Latin square over four heads (w, 3 - w, w + 2, 1 - w, mod
-                # 4): over four heads every warp takes every column once, over two the long column 0
-                # pairs with the empty column 3
                 jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
-                col = SOLVE_BLOCK * jb + c
                 if flag_s[r] == 1:
+                    # s06's fp32 walk with the gated A; Ab[:, col] = X[:, col] beta_col (it holds the gate)
+                    col = SOLVE_BLOCK * jb + c
                     phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
-                else:
-                    phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, False)
-                # block row j + l holds X_{j+l, j} (x_col[8 l ..]); the block rows above j are zero
-                for l in T.unroll(NB):
-                    if jb + l < NB:
-                        for q in T.unroll(8):
-                            if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
-                                if store_wy:
-                                    # WY_ij = Ab_ij exp(g_i - g_j) (the exponent clamped at 0: the
-                                    # diagonal block's upper triangle is zero and stays finite)
-                                    ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = (
-                                        x_col[8 * l + q] * beta_s[r, col] * T.if_then_else(
-                                            flag_s[r] == 1, 1.0,
-                                            T.exp2(T.min(g_s[r, SOLVE_BLOCK * (jb + l) + 8 * half + q] - g_s[r, col], 0))))
-                                else:
+                    for l in T.unroll(NB):
+                        if jb + l < NB:
+                            for q in T.unroll(8):
+                                if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
                                     ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
-                for l in T.unroll(1, NB):
-                    if jb >= l:
-                        for q in T.unroll(8):
-                            if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
-                                ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
+                    for l in T.unroll(1, NB):
+                        if jb >= l:
+                            for q in T.unroll(8):
+                                if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
+                                    ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
+                else:
+                    levels_on_mma(kkt_s, beta_s, g_s, xd_s, xa, ta, tc, xc, b, jb, gq, tq, r, n, hv0, bos, ab)
                 if t == 0:
                     gated[i_c, hv0 + r] = flag_s[r]
 
-    return gate_free_solve_balanced
+    return gate_free_solve_levels_on_mma
 
 
-# ---- promoted from kernels/gate_free_solve/s13_cumsum_in_the_solve.py (s08's kernel, BLOCK renamed
-# SOLVE_BLOCK, HALF SOLVE_HALF, SEGMENTS CUMSUM_SEGMENTS, with the chunk table and the cumsum in its
-# prologue); the forward runs it where a CTA holds at most SOLVE_TF32_MAX_HEADS (gate_free_solve.s09),
-# at SOLVE_CTAS_PER_SM (gate_free_solve.s14)
+# ---- promoted from kernels/gate_free_solve/s16_cumsum_levels_on_mma.py (s13's kernel with the chunk
+# table and the cumsum in its prologue, then s15's solve); the forward runs it where a CTA holds at
+# most SOLVE_TF32_MAX_HEADS (gate_free_solve.s09), at SOLVE_CTAS_PER_SM (gate_free_solve.s14)
 def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
     """The T.prim_func for H key heads, HV value heads, K = 128, each CTA scanning and solving
     ``heads_per_cta`` (one or two) value heads of one key head; any token, sequence or row count."""
@@ -543,31 +616,12 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
     num_bounds = T.dynamic("num_bounds")
     num_rows = T.dynamic("num_rows")
 
-    phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (
-        r, b // 2, SOLVE_BLOCK * (b % 2) + 8 * half + q, SOLVE_BLOCK * (b % 2) + j))
+    phase_a, phase_b = solve_phases(T, lambda r, b, half, q, j: (r, SOLVE_BLOCK * b + 8 * half + q, j))
 
-    @T.macro
-    def level_one(kkt_s, beta_s, x_s, x_col, t_col, acc, row, c, half, r, b):
-        # X_{j+1, j} of head r, j = 2b, column c: t <- diag(beta) A_{j+1, j} X_jj[:, c] (16
-        # independent row sums), X_{j+1, j}[:, c] <- -X_{j+1, j+1} t (fp32, as s02's level 1)
-        for q in T.unroll(8):
-            x_col[q] = x_s[r, b, 8 * half + q, c]
-        for i in T.unroll(SOLVE_BLOCK):
-            acc[0] = 0.0
-            acc[1] = 0.0
-            for q in T.unroll(8):
-                acc[q % 2] = acc[q % 2] + kkt_s[SOLVE_BLOCK * (2 * b + 1) + i, SOLVE_BLOCK * 2 * b + 8 * half + q] * x_col[q]
-            row[0] = acc[0] + acc[1]
-            t_col[i] = beta_s[r, SOLVE_BLOCK * (2 * b + 1) + i] * (row[0] + T.shfl_xor(row[0], 16))
-        for q in T.unroll(8):
-            acc[0] = 0.0
-            acc[1] = 0.0
-            for s in T.unroll(SOLVE_BLOCK):
-                acc[s % 2] = acc[s % 2] + x_s[r, b, SOLVE_BLOCK + 8 * half + q, SOLVE_BLOCK + s] * t_col[s]
-            x_s[r, b, SOLVE_BLOCK + 8 * half + q, c] = -(acc[0] + acc[1])
+    levels_on_mma = phase_b_on_mma(T, False)
 
     @T.prim_func
-    def gate_free_solve_with_cumsum(
+    def gate_free_solve_with_cumsum_levels_on_mma(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         beta: T.Tensor((num_tokens, HV), "float32"),
         g: T.Tensor((num_tokens, HV), "float32"),
@@ -584,6 +638,8 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
             warp = t // 32                                     # phase A: this warp's block column
             c = t % 16                                         # the lane's column within a block
             half = (t // 16) % 2                               # which half of each row sum
+            gq = (t % 32) // 4                                 # phase B: the lane's mma group ...
+            tq = t % 4                                         # ... and its place in the quad
             hv0 = i_r * R                                      # this CTA's first value head
             i_h = hv0 // group
             n_seqs = num_bounds - 1
@@ -600,21 +656,22 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
             tt = T.alloc_local((P,), "float32")                # t_0,h .. t_{P-1},h
             off = T.alloc_var("float32")
             k_s = T.alloc_shared((C, K), "bfloat16")
-            kkt_s = T.alloc_shared((C, C), "float32")
+            kkt_s = T.alloc_shared((C, KKT_STRIDE), "float32")
             beta_s = T.alloc_shared((R, C), "float32")
             g_s = T.alloc_shared((R, C), "float32")
             flag_s = T.alloc_shared((R,), "int32")
-            x_s = T.alloc_shared((R, 2, SOLVE_HALF, SOLVE_HALF), "float32")     # X's diagonal halves (lo, hi) of each head
-            all_s = T.alloc_shared((SOLVE_HALF, SOLVE_HALF), "float32")         # K K^T's lower-left half
-            t1_s = T.alloc_shared((R, SOLVE_HALF, SOLVE_HALF), "float32")       # (K K^T)_hl x_lo of each head
-            t1_f = T.alloc_fragment((SOLVE_HALF, SOLVE_HALF), "float32")
-            ll_f = T.alloc_fragment((SOLVE_HALF, SOLVE_HALF), "float32")
+            xd_s = T.alloc_shared((R, C, SOLVE_BLOCK), "float32")   # head r, row i: X's diagonal block row i
             kkt_f = T.alloc_fragment((C, C), "float32")
             x_a = T.alloc_local((R * 8,), "float32")           # phase A: X_jj[8 half + q, c] of head u at 8 u + q
-            x_col = T.alloc_local((NB * 8,), "float32")        # X_{j+l, j}[8 half + q, c] at 8 l + q
-            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")         # a level's row sums, both halves added
+            x_col = T.alloc_local((NB * 8,), "float32")        # flagged phase B: X_{j+l, j}[8 half + q, c] at 8 l + q
+            t_col = T.alloc_local((SOLVE_BLOCK,), "float32")   # ... a level's row sums, both halves added
             acc = T.alloc_local((2 * R,), "float32")           # two partial sums of a row, per head
             row = T.alloc_local((R,), "float32")
+            xa = T.alloc_local((NB * 8,), "float32")           # mma phase B: X_{j+e, j}^T, A fragments
+            ta = T.alloc_local((8,), "float32")                # ... t^T as A fragments
+            tc = T.alloc_local((8,), "float32")                # ... t^T, two accumulators
+            xc = T.alloc_local((8,), "float32")                # ... -X_{D, j}^T, two accumulators
+            b = T.alloc_local((2,), "float32")                 # ... a B fragment
             any_flag = T.alloc_local((1,), "int32")
 
             # ---- the chunk (chunk_local_cumsum.s03's prologue): row_s <- [T, T) unless found below
@@ -691,7 +748,8 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
             # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
-            T.copy(kkt_f, kkt_s)
+            for i, jj in T.Parallel(C, C):
+                kkt_s[i, jj] = kkt_f[i, jj]
             # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
             for r, i in T.Parallel(R, C):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
@@ -701,58 +759,25 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
             for r in T.unroll(R):
                 any_flag[0] = any_flag[0] | flag_s[r]
 
+            # phase A (s06's): warp w solves X_ww of every head, the heads' substitutions interleaved;
+            # a CTA with a flagged head solves its heads one at a time, each with its own A
             if any_flag[0] == 0:
-                # phase A (s08's): warp w solves X_ww of every head, the substitutions interleaved
-                phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, 0, R, False)
-                # all <- K K^T[32:64, 0:32], the lower-left half's products' shared factor
-                for i, j in T.Parallel(SOLVE_HALF, SOLVE_HALF):
-                    all_s[i, j] = kkt_s[SOLVE_HALF + i, j]
-                T.sync_threads()
-                # level 1: X_10 and X_32 of every head, 2R blocks over the four warps
-                for e in T.unroll((2 * R + NB - 1) // NB):
-                    if warp + NB * e < 2 * R:
-                        level_one(kkt_s, beta_s, x_s, x_col, t_col, acc, row, c, half,
-                                  (warp + NB * e) // 2, (warp + NB * e) % 2)
-                T.sync_threads()
-                # Ab's diagonal halves, in place: x_lo <- [[X_00, 0], [X_10, X_11]] diag(beta_0:32),
-                # x_hi <- [[X_22, 0], [X_32, X_33]] diag(beta_32:64)
-                for r, b, i, j in T.Parallel(R, 2, SOLVE_HALF, SOLVE_HALF):
-                    x_s[r, b, i, j] = T.if_then_else((i < SOLVE_BLOCK) & (j >= SOLVE_BLOCK), 0.0,
-                                                     x_s[r, b, i, j] * beta_s[r, SOLVE_HALF * b + j])
-                # level 2 on the tensor cores (tf32, fp32 accumulate): Ab's lower-left half
-                # -X_hi diag(beta_hi) (K K^T)_hl X_lo diag(beta_lo) = -x_hi (all x_lo)
-                for r in T.unroll(R):
-                    T.gemm(all_s, x_s[r, 0, :, :], t1_f, clear_accum=True)
-                    T.copy(t1_f, t1_s[r, :, :])
-                for r in T.unroll(R):
-                    T.gemm(x_s[r, 1, :, :], t1_s[r, :, :], ll_f, clear_accum=True)
-                    for i, j in T.Parallel(SOLVE_HALF, SOLVE_HALF):
-                        if SOLVE_HALF + i < n:
-                            ab[bos + SOLVE_HALF + i, hv0 + r, j] = -ll_f[i, j]
-                # the other three quarters: xlo, xhi, and zeros above the diagonal
-                for r in T.unroll(R):
-                    for i, j in T.Parallel(C, C):
-                        if (i < n) & ((i < SOLVE_HALF) | (j >= SOLVE_HALF)):
-                            ab[bos + i, hv0 + r, j] = T.if_then_else(
-                                i < SOLVE_HALF, T.if_then_else(j < SOLVE_HALF, x_s[r, 0, i % SOLVE_HALF, j % SOLVE_HALF], 0.0),
-                                x_s[r, 1, i % SOLVE_HALF, j % SOLVE_HALF])
-                for r in T.Parallel(R):
-                    gated[i_c, hv0 + r] = 0
+                phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, 0, R, False)
             else:
-                # a CTA with a flagged head: s08's path, all in fp32
                 for r in T.unroll(R):
                     if flag_s[r] == 1:
-                        phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, r, 1, True)
+                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, True)
                     else:
-                        phase_a(kkt_s, g_s, beta_s, x_s, x_a, acc, row, warp, c, half, n, r, 1, False)
-                T.sync_threads()
-                for r in T.serial(R):
-                    jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
+                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, False)
+            T.sync_threads()
+
+            # phase B: for head r warp w walks block column jb down (s06's Latin square)
+            for r in T.serial(R):
+                jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
+                if flag_s[r] == 1:
+                    # s06's fp32 walk with the gated A; Ab[:, col] = X[:, col] beta_col (it holds the gate)
                     col = SOLVE_BLOCK * jb + c
-                    if flag_s[r] == 1:
-                        phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
-                    else:
-                        phase_b(kkt_s, g_s, beta_s, x_s, x_col, t_col, acc, row, jb, c, half, n, r, False)
+                    phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
                     for l in T.unroll(NB):
                         if jb + l < NB:
                             for q in T.unroll(8):
@@ -763,10 +788,12 @@ def gate_free_solve_with_cumsum_kernel(H: int, HV: int, heads_per_cta: int):
                             for q in T.unroll(8):
                                 if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
                                     ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
-                    if t == 0:
-                        gated[i_c, hv0 + r] = flag_s[r]
+                else:
+                    levels_on_mma(kkt_s, beta_s, g_s, xd_s, xa, ta, tc, xc, b, jb, gq, tq, r, n, hv0, bos, ab)
+                if t == 0:
+                    gated[i_c, hv0 + r] = flag_s[r]
 
-    return gate_free_solve_with_cumsum
+    return gate_free_solve_with_cumsum_levels_on_mma
 
 
 # ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py (AutoCP: the windows)

@@ -1011,12 +1011,12 @@ def test_s38_chain_ahead_gives_s37s_bits(problem):
     (Problem(16, 64, (1700,), varlen=False), False),                # no cu_seqlens
     (Problem(16, 48, (3000,)), True),                               # flagged chunks
 ], ids=["varlen", "16-48", "8-32", "batch", "flagged"])
-@pytest.mark.parametrize("number", [39, 40, 41, 42])
-def test_s39_s40_s41_state_in_registers_pass_the_check(problem, flagged, number):
-    """gdn_fwd.s39, s40 and s41 where their kernel runs (s37's ``stores_wy``): the gdn_fwd check against
+@pytest.mark.parametrize("number", [39, 40, 41, 42, 43])
+def test_state_in_registers_forwards_pass_the_check(problem, flagged, number):
+    """gdn_fwd.s39-s43 where their kernel runs (s37's ``stores_wy``): the gdn_fwd check against
     float64, also with chunks whose beta ||k||^2 > 2 (the solve's gated path); and the same bits
     eagerly, from a CUDA graph and replayed on new inputs (s40: s39's bits; s41 rounds another
-    product, its own; s42 is s40 on gate_free_solve.s15's solve, its own)."""
+    product, its own; s42 and s43 run s40's kernel after gate_free_solve.s15's solve, their own)."""
     from flashqla.stages import load
 
     stage = load("gdn_fwd", number)
@@ -1026,7 +1026,7 @@ def test_s39_s40_s41_state_in_registers_pass_the_check(problem, flagged, number)
     assert stage.S37.stores_wy(x["q"], x["v"], x["cu_seqlens"], None)
     check_op("gdn_fwd", lambda **kw: stage.forward(**kw), x)
     if not flagged:
-        assert_same_bits_eager_and_in_a_graph(stage, load("gdn_fwd", number if number in (41, 42) else 39), problem, None,
+        assert_same_bits_eager_and_in_a_graph(stage, load("gdn_fwd", number if number in (41, 42, 43) else 39), problem, None,
                                               seed=16)
 
 

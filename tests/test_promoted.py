@@ -17,9 +17,10 @@ from flashqla.testing import Problem, check_op, run_on_threads
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 3), "chunk_local_cumsum_kernel", (32,)),
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 3), "chunk_local_cumsum_kernel", (24,)),
-    (fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
-    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 32, 2)),
-    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 16, 1)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 15), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd.gate_free_solve_kernel, ("gate_free_solve", 15), "gate_free_solve_kernel", (16, 48, 3, True)),
+    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 32, 2)),
+    (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 16, 1)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
     (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (2, 8)),
@@ -53,16 +54,10 @@ def test_promoted_kernel_is_the_stage_kernel(builder, stage, stage_builder, shap
     assert builder(*shape).script() == getattr(load(*stage), stage_builder)(*shape).script()
 
 
-def test_solve_storing_wy_is_s36s(monkeypatch):
-    """The solve storing WY (``store_wy``) builds gdn_fwd.s36's program and compiles with its options;
-    without the flag, gate_free_solve.s06's (above)."""
-    s36 = load("gdn_fwd", 36)
-    assert fwd.gate_free_solve_kernel(16, 64, 4, True).script() == s36.gated_solve_kernel(16, 64, 4).script()
+def test_solve_storing_wy_differs_only_in_its_store():
+    """The solve storing WY (``store_wy``, gdn_fwd.s36's idea on gate_free_solve.s15's kernel: above,
+    compiled as gdn_fwd.s42 compiles it) is another program than the one storing Ab."""
     assert fwd.gate_free_solve_kernel(16, 48, 3, True).script() != fwd.gate_free_solve_kernel(16, 48, 3).script()
-    calls = record_compiles(monkeypatch)
-    fwd._compiled.__wrapped__(fwd.gate_free_solve_kernel, 16, 48, 3, True)
-    s36._solve.__wrapped__(16, 48, 3)
-    assert calls[0] == calls[1]
 
 
 def test_store_wy_is_the_stage_rule():
@@ -113,19 +108,22 @@ def test_solve_groups_value_heads_as_its_stage():
 
 # the kernel of gdn_fwd.s27 (s34's after its prologue, as programmatic dependents) that each forward
 # stage's builder is compiled as
-S27_KERNEL = {("gate_free_solve", 6): "solve", ("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
+S27_KERNEL = {("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
               ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow"}
 
 
 def compile_as_s34(stage, shape):
-    """Compile a forward stage's builder as gdn_fwd.s34 (the library's forward) compiles it: the cumsum
-    as s29, the cumsum-and-solve kernel as s31 at gate_free_solve.s14's CTAs an SM, the wide fused
-    kernel as s34, the kernel with the state in registers as s40, the rest as s27."""
+    """Compile a forward stage's builder as the library's forward (gdn_fwd.s43's) compiles it: the
+    cumsum as s29, the solve as s42, the cumsum-and-solve kernel as s43 at gate_free_solve.s14's CTAs
+    an SM, the wide fused kernel as s34, the kernel with the state in registers as s40, the rest as
+    s27."""
     s34 = load("gdn_fwd", 34)
     if stage == ("chunk_local_cumsum", 3):
         return s34.S33.S32.S31.S30.S29._cumsum.__wrapped__(*shape)
-    if stage == ("gate_free_solve", 13):
-        return s34.S33.S32.S31._cumsum_solve.__wrapped__(*shape, s34.S33.S32.SOLVE.ctas_per_sm(shape[2]))
+    if stage == ("gate_free_solve", 15):
+        return load("gdn_fwd", 42)._solve.__wrapped__(*(shape + (False,))[:4])  # store_wy: False unless given
+    if stage == ("gate_free_solve", 16):
+        return load("gdn_fwd", 43)._cumsum_solve.__wrapped__(*shape)
     if stage == ("gdn_fwd", 34):
         return s34._wide.__wrapped__(*shape)
     if stage == ("gdn_fwd", 40):
@@ -178,7 +176,7 @@ def test_promoted_compile_check_catches_other_launch_bounds(monkeypatch):
     calls = record_compiles(monkeypatch)
     monkeypatch.setattr(fwd, "SOLVE_CTAS_PER_SM", {1: 4, 2: 4})
     fwd._compiled.__wrapped__(fwd.gate_free_solve_with_cumsum_kernel, 16, 16, 1)
-    compile_as_s34(("gate_free_solve", 13), (16, 16, 1))
+    compile_as_s34(("gate_free_solve", 16), (16, 16, 1))
     assert calls[0][0] != calls[1][0]
 
 
@@ -218,16 +216,16 @@ def test_a_changed_kernel_is_caught():
     (fwd, "FUSED_THREADS", 256, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
     (fwd, "REGS_CHAIN", 200, fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 32)),
     (fwd, "REGS_WIDE_STATE", 160, fwd.fused_state_value_kernel, ("gdn_fwd", 34), "fused_state_value_kernel", (16, 64, 128, 128, 128)),
-    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 6), "gate_free_solve_kernel", (16, 64, 4)),
-    (fwd, "SOLVE_HALF", 16, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 32, 2)),
-    (fwd, "CUMSUM_SEGMENTS", 4, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 13), "cumsum_solve_kernel", (16, 16, 1)),
+    (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 15), "gate_free_solve_kernel", (16, 64, 4)),
+    (fwd, "KKT_STRIDE", 64, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 32, 2)),
+    (fwd, "CUMSUM_SEGMENTS", 4, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 16, 1)),
     (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd, "REGS_WARMUP_STATE", 160, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
     (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
-], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.SOLVE_HALF",
+], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.KKT_STRIDE",
         "fwd.CUMSUM_SEGMENTS", "fwd.BLOCK",
         "fwd.REGS_WARMUP_STATE", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])

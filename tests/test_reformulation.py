@@ -242,20 +242,26 @@ def test_more_ctas_an_sm_give_s13s_bits(heads, kind):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+@pytest.mark.parametrize("number, before, heads", [(15, 6, (4, 16)), (16, 14, (4, 16)), (16, 14, (8, 24))],
+                         ids=["s15", "s16-two-heads-a-cta", "s16-one-head-a-cta"])
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-def test_levels_on_mma_pass_the_check_and_keep_s06s_flagged_path(kind):
-    """gate_free_solve.s15 (phase B's block levels on mma.sync, tf32) on adversarial inputs, four value
-    heads a CTA: Ab within the solve's derived bound of float64 (gate-free: g_cum = 0); with the
-    gate, the flags and the flagged heads' rows are s06's bit for bit (their path is s06's), and the
-    others within 1e-2 of s06's. WY (``store_wy``) is checked through gdn_fwd.s42 (test_autocp)."""
+def test_levels_on_mma_pass_the_check_and_keep_the_flagged_path(number, before, heads, kind):
+    """gate_free_solve.s15 (phase B's block levels on mma.sync, tf32; four value heads a CTA here) and
+    s16 (s14's kernel with s15's solve; one or two) on adversarial inputs: Ab within the solve's
+    derived bound of float64 (gate-free: g = 0); with the gate, the flags and the flagged heads' rows
+    are those of the stage they edit (s06, s14) bit for bit (their path is unchanged), and the others
+    within 1e-2 of its. WY (``store_wy``) is checked through gdn_fwd.s42 (test_autocp)."""
     from flashqla.testing import op_inputs
 
-    s06, s15 = stages.load("gate_free_solve", 6), stages.load("gate_free_solve", 15)
-    x = adversarial_inputs(kind)
-    check_op("gate_free_solve", s15.run, op_inputs("gate_free_solve", x))
-    k, beta, cu = x["k"], x["beta"], x["cu_seqlens"]
-    g_cum = stages.load("chunk_local_cumsum", 1).run(x["g"], cu)
-    (want, want_gated), (got, got_gated) = (s.solve(k, beta, g_cum, cu) for s in (s06, s15))
+    new, old = stages.load("gate_free_solve", number), stages.load("gate_free_solve", before)
+    x = adversarial_inputs(kind, *heads)
+    check_op("gate_free_solve", new.run, op_inputs("gate_free_solve", x))
+    k, beta, g, cu = x["k"], x["beta"], x["g"], x["cu_seqlens"]
+    if number == 15:
+        g_cum = stages.load("chunk_local_cumsum", 1).run(g, cu)
+        (want, want_gated), (got, got_gated) = (s.solve(k, beta, g_cum, cu) for s in (old, new))
+    else:
+        (*_, want, want_gated), (*_, got, got_gated) = (s.cumsum_and_solve(k, beta, g, cu) for s in (old, new))
     assert torch.equal(got_gated, want_gated)
     bounds, _ = chunk_table(cu, 1, k.shape[1], C, k.device)
     flagged = torch.zeros(k.shape[1], beta.shape[2], dtype=torch.bool, device=k.device)

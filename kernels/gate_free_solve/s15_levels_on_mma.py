@@ -50,21 +50,13 @@ DEFAULT_SHAPE = dict(H=16, HV=64)
 
 def tf32(T, x):
     """x rounded to the nearest tf32 (10 mantissa bits; the low 13 bits then cleared)."""
-    return T.reinterpret("float32", (T.reinterpret("uint32", x) + T.uint32(0x1000)) & T.uint32(0xFFFFE000))
+    return T.reinterpret((T.reinterpret(x, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
 
 
-def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool = False):
-    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
-    value heads of one key head (a divisor of HV / H); any token or chunk count. ``store_wy``
-    (gdn_fwd.s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
-    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
-
-    C, K, R, NB = CHUNK_SIZE, fwd.HEAD_DIM, heads_per_cta, CHUNK_SIZE // BLOCK
-    group = HV // H  # value head i_hv reads key head i_hv // group
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
-
-    phase_a, phase_b = fwd.solve_phases(T, lambda r, b, half, q, j: (r, BLOCK * b + 8 * half + q, j))
+def phase_b_on_mma(T, store_wy: bool):
+    """Phase B of an unflagged head as a TileLang macro: warp by warp, the block column jb of head r
+    walked down on mma.sync (the module doc), then Ab's column block stored (or WY if ``store_wy``)."""
+    NB = CHUNK_SIZE // BLOCK
 
     @T.macro
     def mma(a_frag, a_at, b_frag, acc, acc_at):
@@ -128,6 +120,24 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
                         i = BLOCK * (jb - d) + 8 * kk + 2 * tq + s // 2
                         if i < n:
                             ab[bos + i, hv0 + r, BLOCK * jb + gq + 8 * (s % 2)] = 0
+
+    return levels_on_mma
+
+
+def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool = False):
+    """The T.prim_func for H key heads, HV value heads, K = 128, each CTA solving ``heads_per_cta``
+    value heads of one key head (a divisor of HV / H); any token or chunk count. ``store_wy``
+    (gdn_fwd.s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, K, R, NB = CHUNK_SIZE, fwd.HEAD_DIM, heads_per_cta, CHUNK_SIZE // BLOCK
+    group = HV // H  # value head i_hv reads key head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    phase_a, phase_b = fwd.solve_phases(T, lambda r, b, half, q, j: (r, BLOCK * b + 8 * half + q, j))
+
+    levels_on_mma = phase_b_on_mma(T, store_wy)
 
     @T.prim_func
     def gate_free_solve_levels_on_mma(
