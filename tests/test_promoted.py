@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s40) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s43) gives."""
 
 import functools
 import sys
@@ -252,15 +252,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s40's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s43's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s40 = load("gdn_fwd", 40)
+    s43 = load("gdn_fwd", 43)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s40.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s43.forward)]
     run_on_threads(calls)
 
 
@@ -289,7 +289,7 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
     (Problem(2, 8, (1000, 1000), varlen=False, initial_state=False), 3),
     (Problem(16, 64, (700, 650, 700, 1, 700)), False),              # BV 128 (s34's kernel)
     (Problem(16, 64, (1000, 300)), False),                          # BV 64 (s34's kernel)
-    (Problem(16, 32, (3000, 700)), False),                          # the tf32 solve (2 heads a CTA)
+    (Problem(16, 32, (3000, 700)), False),                          # the cumsum-and-solve kernel (2 heads a CTA)
     (Problem(16, 16, (2000, 64, 900)), 3),                          # ... 1 head a CTA, split
     (Problem(2, 8, (2000,)), None),                                 # ... 2 heads a CTA: few chunks
     (Problem(4, 16, (1500, 77)), None),
@@ -300,9 +300,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
         "solve-spread", "solve-spread-varlen", "solve-one", "narrowest", "wy-stored", "wy-stored-varlen"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s40's kernels in s40's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s43's kernels in s43's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 40).forward(**x, cp=cp)
+    want = load("gdn_fwd", 43).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
