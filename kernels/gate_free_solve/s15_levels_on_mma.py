@@ -44,6 +44,8 @@ SOURCE_MUST_CONTAIN = ("wgmma", "tl::mma_sync<tl::DataType::kTensorFloat32", "__
 
 CHUNK_SIZE = fwd.CHUNK_SIZE      # C: tokens per chunk
 BLOCK = fwd.SOLVE_BLOCK          # the inverse's blocks: 16 x 16, one m16 tile
+HEAD_DIM, THREADS, MIN_CTAS_PER_SM = fwd.HEAD_DIM, fwd.THREADS, fwd.MIN_CTAS_PER_SM  # s06's
+GROWTH_LIMIT, LOG2E = fwd.GROWTH_LIMIT, fwd.LOG2E
 KKT_STRIDE = fwd.CHUNK_SIZE + 8  # K K^T's rows padded: a quad's 8-byte B loads hit 32 banks once
 DEFAULT_SHAPE = dict(H=16, HV=64)
 
@@ -130,7 +132,7 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
     (gdn_fwd.s36's solve): store WY = Gamma * Ab instead of Ab (a flagged head's Ab holds the gate)."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
-    C, K, R, NB = CHUNK_SIZE, fwd.HEAD_DIM, heads_per_cta, CHUNK_SIZE // BLOCK
+    C, K, R, NB = CHUNK_SIZE, HEAD_DIM, heads_per_cta, CHUNK_SIZE // BLOCK
     group = HV // H  # value head i_hv reads key head i_hv // group
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
@@ -148,8 +150,8 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # row (t mod C) of each chunk's Ab (or WY)
         gated: T.Tensor((num_chunks, HV), "int32"),            # 1: ab holds Ai diag(beta) instead
     ):
-        with T.Kernel(num_chunks, HV // R, threads=fwd.THREADS) as (i_c, i_r):
-            T.annotate_min_blocks_per_sm(fwd.MIN_CTAS_PER_SM)
+        with T.Kernel(num_chunks, HV // R, threads=THREADS) as (i_c, i_r):
+            T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             t = T.get_thread_binding()
             warp = t // 32                                     # phase A: this warp's block column
             c = t % 16                                         # the lane's column within a block
@@ -188,14 +190,14 @@ def gate_free_solve_kernel(H: int, HV: int, heads_per_cta: int, store_wy: bool =
                 k_s[i, d] = T.if_then_else(i < n, k[bos + i, i_h, d], 0)
             for r, i in T.Parallel(R, C):
                 beta_s[r, i] = T.if_then_else(i < n, beta[bos + i, hv0 + r], 0)
-                g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * fwd.LOG2E, 0)
+                g_s[r, i] = T.if_then_else(i < n, g_cum[bos + i, hv0 + r] * LOG2E, 0)
             # K K^T (64 x 64 x 128, bf16 in, fp32 accumulate: wgmma), read by every head's solve
             T.gemm(k_s, k_s, kkt_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 kkt_s[i, j] = kkt_f[i, j]
             # flag_r <- 1 if some row has beta_i ||k_i||^2 = beta_i (K K^T)_ii > GROWTH_LIMIT
             for r, i in T.Parallel(R, C):
-                if beta_s[r, i] * kkt_s[i, i] > fwd.GROWTH_LIMIT:
+                if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
                     flag_s[r] = 1
             T.sync_threads()
             any_flag[0] = 0
@@ -254,8 +256,8 @@ def _check(k, beta, chunk_size):
     if chunk_size != CHUNK_SIZE:
         raise ValueError(f"gate_free_solve.s15: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
     H, K, HV = k.shape[2], k.shape[3], beta.shape[2]
-    if K != fwd.HEAD_DIM:
-        raise ValueError(f"gate_free_solve.s15: `k` must have head dim K = {fwd.HEAD_DIM}; got {K}")
+    if K != HEAD_DIM:
+        raise ValueError(f"gate_free_solve.s15: `k` must have head dim K = {HEAD_DIM}; got {K}")
     if HV % H:
         raise ValueError(f"gate_free_solve.s15: `beta` must have a number of value heads HV that is "
                          f"a multiple of the H = {H} heads of k; got HV = {HV}")
