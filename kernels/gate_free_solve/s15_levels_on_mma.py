@@ -25,7 +25,25 @@ products: phase B's loads fall from about 2,000 to about 300 a lane.
 Precision: tf32 (rounded to nearest) in the level products, fp32 accumulation; the diagonal
 inverses and every flagged head in fp32 as s06.
 
-Measured effect: see the GPU run quoted in notebooks/04_reformulation.py's solve section.
+Measured effect (one H100, commit 69c6bf5; ``profiles/solve_lab.py --kernels`` ->
+``results/solve_kernels.csv``: each kernel alone, 20 launches in a CUDA graph, best of five
+replays), us:
+
+    problem              heads a CTA    s06      s15
+    (16, 64) 1x8192           4         94.8     75.5
+    (16, 64) 8x4096           4        388.9    264.8
+    (16, 48) 1x32768          3        310.7    236.5
+    (8, 24) 28672+4096        3        155.9    126.0
+    (8, 32) 1x8192            4         49.1     39.2
+    (2, 8) 8x4096             4         48.4     37.8
+
+0.68-0.81x s06's time; Ab within 3.0e-4 relative L2 of s06's. Nsight Compute on (16, 64) 1x8192
+(``results/ncu_gate_free_solve_s15.csv``): 78.3 us against s06's 98.1, DRAM 32.8 % of peak (26.2
+%), occupancy 23.7 % (18.2 %), 37 KiB of shared memory and 128 registers; the first stall is now
+``long_scoreboard`` (2.48: K's global loads before K K^T), then ``short_scoreboard`` (2.32: phase
+A's shared-memory reads). In the forward: gdn_fwd.s42. Its GPU tests passed at ccabfe0 and 597433d
+(adversarial inputs against float64, the flagged heads' rows bit for bit s06's; the public
+shapes).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

@@ -25,7 +25,22 @@ One kernel keeps the short grids' launch (the cumsum's 2.4-2.9 us).
 
 Precision: s15's (tf32 level products; phase A and flagged heads in fp32).
 
-Measured effect: see the GPU run quoted in notebooks/04_reformulation.py's solve section.
+Measured effect (one H100, commit 69c6bf5; ``profiles/solve_lab.py --kernels`` ->
+``results/solve_kernels.csv``, the same method), us:
+
+    problem              heads a CTA    s14      s16
+    (16, 16) 8x4096           1        143.2    109.9
+    (16, 16) 1x8192           1         42.5     33.0
+    (16, 32) 8x4096           2        213.9    190.1
+    (16, 32) 1x8192           2         57.6     49.6
+    (8, 32) 1x2048            2         14.9     13.7
+    (8, 24) 1x2048            1         15.5     12.7
+    (16, 16) 1x2048           1         11.2      9.0
+
+0.77-0.92x s14's time, at the same launch bounds (ptxas: 80 registers and 68 bytes of spill
+stores at one head, 96 and 108 at two); Ab within 5.2e-4 relative L2 of s14's (whose lower-left
+half is tf32 too). In the forward: gdn_fwd.s43. Its GPU tests passed at 597433d (adversarial
+inputs against float64, the flagged heads' rows bit for bit s14's; the public shapes).
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

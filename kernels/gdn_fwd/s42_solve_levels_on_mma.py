@@ -9,7 +9,23 @@ Why: the solve was 400 us of the API's 1151 on (16, 64) 8x4096 and 163 of 854 on
 28672+4096 (one H100, 2066b86; ``profiles/timeline_lab.py``), moving its bytes at about 1 TB/s,
 bound by shared-memory loads (gate_free_solve.s15's docstring).
 
-Measured effect: see the GPU run quoted in notebooks/04_reformulation.py's solve section.
+Measured effect (one H100, commit ccabfe0; ``bench.time_row`` in one process), ms:
+
+    problem              s40      s42
+    (16, 64) 1x8192     0.3621   0.2984
+    (16, 64) 1x32768    1.3972   1.1137
+    (16, 64) 8x4096     1.1641   1.0302
+    (16, 48) 1x32768    1.2248   1.0394
+    (8, 24) 28672+4096  0.8616   0.8256
+    (8, 32) 1x8192      0.2950   0.2834
+    (2, 8) 8x4096       0.1851   0.1573
+    (4, 16) 8x4096      0.3059   0.2812
+
+0.80-0.96x s40's time. The forward gains more than the solve alone saves ((16, 64) 1x8192: 63 us
+against 19 in ``results/solve_kernels.csv``); why was not measured (a timeline of the forward,
+``profiles/timeline_lab.py``, would show where). Its GPU tests passed there: the gdn_fwd check
+against float64 where s40's kernel runs, flagged chunks included, and the same bits eagerly and
+from a CUDA graph (``tests/test_autocp.py``); the public shapes.
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """

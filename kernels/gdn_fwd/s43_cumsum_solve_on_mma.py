@@ -9,7 +9,26 @@ Why: gate_free_solve.s16's table (s15's solve against s14's kernel). The forward
 the (16, 16) and (16, 32) problems and the short ones (1x2048), where the solve was up to 40 % of
 the forward ((16, 16) 8x4096: 146 us of 364; one H100, 2066b86, ``profiles/timeline_lab.py``).
 
-Measured effect: see the GPU run quoted in notebooks/04_reformulation.py's solve section.
+Measured effect (one H100, commit 597433d; ``bench.time_row`` in one process), ms:
+
+    problem              s40      s42      s43
+    (16, 16) 8x4096     0.3692   0.3707   0.3367
+    (16, 16) 1x8192     0.2162   0.2150   0.2046
+    (16, 16) 1x32768    0.6067   0.6062   0.5707
+    (16, 32) 8x4096     0.6156   0.6108   0.5902
+    (16, 32) 1x8192     0.2941   0.2944   0.2867
+    (16, 32) 28672+4096 1.0694   1.0692   1.0446
+    (8, 24) 1x2048      0.0805   0.0806   0.0771
+    (16, 16) 1x2048     0.0695   0.0707   0.0667
+    (2, 8) 1x2048       0.0611   0.0607   0.0609
+    (8, 32) 1x2048      0.0803   0.0806   0.0796
+
+0.94-0.97x s42's time where the solve is s16's, unchanged elsewhere. Promoted: the library's
+forward is s43's from 597433d on. With the peers (``python -m flashqla bench``, one H100, commit
+1a05b0c, all 40 problems in one run of three calls on one machine): 0.96-2.06x FlashQLA's speed,
+geomean 1.22x, at least its speed on 39 of 40 ((8, 24) 28672+4096: 0.827 ms against 0.798);
+1.35-4.09x FLA's, geomean 2.50x; (16, 64) 1x32768 in 1.127 ms, 2.28x the floor. Its GPU tests
+passed at 597433d and the library's (test_promoted, test_api) at 1a05b0c.
 
 Taught in: notebooks/04_reformulation.py (the solve)
 """
