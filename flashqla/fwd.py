@@ -3,8 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s40's
-pipeline: s37's, where the fused kernel runs unsplit at 64 value columns a CTA after s06's solve
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s43's
+pipeline: s40's with every solve's phase B on mma.sync (gate_free_solve.s15: each unflagged head's
+block levels as warp-wide tf32 products; s16: the same in the kernel that also makes the table and
+the cumsum). s40's is s37's, where the fused kernel runs unsplit at 64 value columns a CTA after s06's solve
 (three or four heads a CTA), has the solve store WY = Gamma * Ab (gdn_fwd.s36's solve) and s40's
 fused kernel there (the state transposed in the chain's registers, s39; its hand-offs by stmatrix,
 s40); elsewhere it is s34's: s33's with the wide fused kernel's scores / output warpgroup lighter
@@ -44,7 +46,9 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   (below), at six or five CTAs an SM
                                                                   (s14). In a graph (2, 8) 1x2048's
                                                                   two kernels took 8.9 + 2.1 us,
-                                                                  this one 8.4 (one H100, ba1bffa)
+                                                                  this one 8.4 (one H100, ba1bffa).
+                                                                  s16: with s15's solve instead of
+                                                                  s08's, 0.77-0.92x s14's time
     gate_free_solve.s11      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
                                                                   diag(beta) with no gate (a blocked
                                                                   inverse: 16 x 16 diagonal blocks by
@@ -61,7 +65,10 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   Three or four heads a CTA only
                                                                   where they leave three CTAs an
                                                                   SM (s11): 15.9 us where 24.3 on
-                                                                  (8, 32) 1x2048, in the forward
+                                                                  (8, 32) 1x2048, in the forward.
+                                                                  s15: phase B's block levels on
+                                                                  mma.sync (tf32), 0.68-0.81x s06's
+                                                                  time (one H100, 69c6bf5)
     gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
                                                                   heads are cut into segments whose
                                                                   chains run in parallel. Per
