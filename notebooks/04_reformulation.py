@@ -428,6 +428,8 @@ fig.tight_layout()
 SMS, CLOCK = 132, 1.98e9
 rates = {"CUDA-core op": SMS * 128 * CLOCK, "exp2": SMS * 16 * CLOCK}
 CSV_PATH = bench.RESULTS / "gdn_fwd.csv"
+# the API's and the peers' rows of earlier runs, as they were before a later run re-timed them
+EARLIER_RUNS = bench.RESULTS / "gdn_fwd_earlier_runs.csv"
 meta = bench.read_csv(CSV_PATH)[0]                   # the roofs measured in the benchmark's run
 rates["tensor FLOP"], rates["HBM byte"] = float(meta["gemm_roof_tflops"]) * 1e12, float(meta["copy_roof_gbs"]) * 1e9
 pairs = T_L // CC * HV_L
@@ -2162,7 +2164,7 @@ assert widths == {(2, 8): 16, (4, 16): 16, (16, 16): 16, (8, 24): 32, (8, 32): 3
 # commit 6eedafa; the peers in the same process):
 
 # %%
-rows_6e = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("6eedafa")]
+rows_6e = [r for r in bench.read_csv(CSV_PATH) + bench.read_csv(EARLIER_RUNS) if r["commit"].startswith("6eedafa")]
 t_6e = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows_6e}
 impls_6e = ("gdn_fwd/s29_table_in_the_cumsum", "gdn_fwd/s32_ctas_by_heads", "flashqla.chunk_gated_delta_rule",
             "FlashQLA", "FLA (gdn_fwd/s00_fla)")
@@ -2389,7 +2391,7 @@ assert share["(16, 64) 1x8192", "gdn_fwd.s40", "chain", "work"] > 0.45
 # benchmark's rows of that run, the peers in the same process (one H100, commit 679347d):
 
 # %%
-rows_40 = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("679347d")]
+rows_40 = [r for r in bench.read_csv(CSV_PATH) + bench.read_csv(EARLIER_RUNS) if r["commit"].startswith("679347d")]
 t_40 = {(r["problem"], r["impl"]): float(r["ms"]) for r in rows_40}
 impls_40 = ("gdn_fwd/s40_stmatrix_hand_offs", "flashqla.chunk_gated_delta_rule", "FlashQLA", "FLA (gdn_fwd/s00_fla)")
 print(f"{'problem':22s} " + " ".join(f"{n:>9s}" for n in ("s40", "API=s40", "FlashQLA", "FLA")))
@@ -2419,6 +2421,111 @@ for prob in problems_40:
 print(role_timeline_lab.report_rows([r for r in roles_rows if r["impl"] == "gdn_fwd.s41"]))
 assert waits("(16, 64) 1x8192", "gdn_fwd.s41", "scores") < 0.15
 assert share["(16, 64) 1x8192", "gdn_fwd.s41", "chain", "wait bar_m_ready"] > 0.05
+
+# %% [markdown]
+# ### The solve on the tensor cores, warp by warp (`gate_free_solve.s15`, `s16`; `gdn_fwd.s42`, `s43`)
+#
+# With the fused kernel faster, the solve is a third of some forwards: 400 of the API's 1151 us on
+# (16, 64) 8 x 4096, 146 of 364 on (16, 16) 8 x 4096, where FlashQLA's `kkt_solve` took 114
+# (`profiles/timeline_lab.py`, one H100, 2066b86). s06 moves its bytes at about 1 TB/s, and the count
+# of its shared-memory loads accounts for most of its time: in phase B a lane computes one column of a 16 x 16
+# block product and reads every $K K^\top$ entry it multiplies (the 16 lanes of a half read the same
+# word). Per CTA of four heads:
+
+# %%
+# phase B, one lane, four heads (the Latin square gives each warp each block column once): a level d
+# of column jb reads 16 rows x d block columns x 8 entries of K K^T, then 8 x 16 of X_DD
+kkt_reads = sum(16 * d * 8 for jb in range(4) for d in range(1, 4 - jb))
+x_reads = sum(8 * 16 for jb in range(4) for d in range(1, 4 - jb))
+phase_a_reads = 16 * 8 + 16 * 4                # 16 rows x 8 entries (shared by the heads) + beta
+loads = kkt_reads + x_reads + phase_a_reads
+ctas_per_sm = (8192 // 64 + 1) * 16 / 132      # (16, 64) 1 x 8192: 129 chunk rows x 16 CTAs a row
+us = loads * 4 * ctas_per_sm / 1.755e3         # 4 warps, one warp-wide load a cycle, 1.755 GHz
+print(f"{loads} loads a lane, {loads * 4} warp-wide a CTA, {ctas_per_sm:.1f} CTAs an SM: ~{us:.0f} us")
+ncu_solve |= {n: bench.read_csv(bench.RESULTS / f"ncu_gate_free_solve_{n}.csv")[0] for n in ("s15",)}
+# about four fifths of the 98 us Nsight Compute measured for s06 on this problem
+assert 0.7 < us / float(ncu_solve["s06"]["us"]) < 1.0
+
+# %% [markdown]
+# An `mma.sync.m16n8k8` with tf32 operands does a 16 x 8 x 8 piece of such a product from 4 + 2
+# fragment registers a lane, loaded once. `gate_free_solve.s15` walks each block column down as
+# products of 16 x 16 blocks, held transposed so that one product's accumulator is the next one's
+# left operand:
+#
+# $$t^\top = \sum_{e < d} X_{j+e,\,j}^\top\,(K K^\top)_{D,\,j+e}^\top\,\mathrm{diag}(\beta_D),\qquad
+# X_{D,\,j}^\top = -\,t^\top X_{DD}^\top\qquad (D = j + d).$$
+#
+# The accumulator of a lane in quad position $t$ holds columns $2t$ and $2t + 1$; the A operand wants
+# columns $t$ and $t + 4$. Read as A, the accumulator's columns are a permutation of $k$; loading B's
+# rows in the same permuted order leaves the sum unchanged, so no shuffle is needed. Checked here on
+# the fragment layouts themselves (PTX ISA, m16n8k8 tf32), in float64:
+
+# %%
+def c_fragment(C):        # 16 x 8 accumulator -> per lane (c0, c1, c2, c3)
+    return [[C[l // 4, 2 * (l % 4)], C[l // 4, 2 * (l % 4) + 1], C[l // 4 + 8, 2 * (l % 4)],
+             C[l // 4 + 8, 2 * (l % 4) + 1]] for l in range(32)]
+
+
+def mma_16x8x8(a_frags, b_frags):   # a: per lane (a0..a3) at (g, t), (g+8, t), (g, t+4), (g+8, t+4)
+    A, B = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(8, 8, dtype=torch.float64)
+    for l, (a, b) in enumerate(zip(a_frags, b_frags)):
+        g, t = l // 4, l % 4
+        A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = a
+        B[t, g], B[t + 4, g] = b
+    return A @ B
+
+
+gen = torch.Generator().manual_seed(0)
+C, Bm = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(8, 8, generator=gen, dtype=torch.float64)
+a_from_c = [[c0, c2, c1, c3] for c0, c1, c2, c3 in c_fragment(C)]                 # s15's (c0, c2, c1, c3)
+b_permuted = [[Bm[2 * (l % 4), l // 4], Bm[2 * (l % 4) + 1, l // 4]] for l in range(32)]  # rows 2t, 2t + 1
+assert torch.allclose(mma_16x8x8(a_from_c, b_permuted), C @ Bm, rtol=0, atol=1e-12)
+b_plain = [[Bm[l % 4, l // 4], Bm[l % 4 + 4, l // 4]] for l in range(32)]
+assert not torch.allclose(mma_16x8x8(a_from_c, b_plain), C @ Bm)                  # unpermuted B: wrong
+
+# %% [markdown]
+# The walk (phase A, the diagonal inverses, and every flagged head keep s06's fp32 code):
+
+# %%
+s15 = load("gate_free_solve", 15)
+src15 = inspect.getsource(s15.phase_b_on_mma)
+print(src15[src15.index("    @T.macro\n    def levels_on_mma"):src15.index("        # Ab[:, col] = X[:, col]")].rstrip())
+assert "mma(xa, 8 * e + 4 * kk, b, tc, 4 * nn)" in src15 and "mma(ta, 4 * kk, b, xc, 4 * nn)" in src15
+
+# %% [markdown]
+# `gate_free_solve.s16` puts the same solve into s14's kernel (the chunk table and the cumsum in the
+# prologue, one or two heads a CTA). Each kernel alone against the one it replaces, and Nsight Compute
+# on (16, 64) 1 x 8192 (one H100, commit 69c6bf5):
+
+# %%
+kern_rows = bench.read_csv(bench.RESULTS / "solve_kernels.csv")
+print(f"{'problem':22s} {'heads':>5s} {'before':>22s} {'us':>7s} {'after':>26s} {'us':>7s} {'ratio':>6s}")
+for r in kern_rows:
+    print(f"{bench.short_label(r['problem']):22s} {r['heads_per_cta']:>5s} {r['before']:>22s} {r['before_us']:>7s} "
+          f"{r['after']:>26s} {r['after_us']:>7s} {float(r['after_us']) / float(r['before_us']):6.2f}")
+assert all(float(r["after_us"]) < float(r["before_us"]) for r in kern_rows) and len(kern_rows) == 13
+for n in ("s06", "s15"):
+    r = ncu_solve[n]
+    print(f"{n}: {r['us']} us, DRAM {r['dram_pct']} % of peak, occupancy {r['occupancy_pct']} %, stalls {r['stalls']}")
+assert float(ncu_solve["s15"]["dram_pct"]) > float(ncu_solve["s06"]["dram_pct"])
+
+# %% [markdown]
+# 0.68-0.81x s06's time, 0.77-0.92x s14's; the new first stall is the global load of $K$ before
+# $K K^\top$ (`long_scoreboard`), and the solve still uses a third of the DRAM bandwidth: prefetching
+# the next chunk's $K$ is the next step there. In the forward (`gdn_fwd.s42`, then `s43`, which the
+# library runs), the whole benchmark, peers in the same process (one H100, commit 1a05b0c):
+
+# %%
+rows_43 = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("1a05b0c")]
+api_43 = [r for r in rows_43 if r["impl"] == "flashqla.chunk_gated_delta_rule"]
+vs_fq, vs_fla = ([float(r[c]) for r in api_43] for c in ("vs_flashqla", "vs_fla"))
+geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+print(f"{len(api_43)} problems: {min(vs_fq):.2f}-{max(vs_fq):.2f}x FlashQLA's speed (geomean {geo(vs_fq):.2f}), "
+      f"{min(vs_fla):.2f}-{max(vs_fla):.2f}x FLA's (geomean {geo(vs_fla):.2f})")
+for r in api_43:
+    if float(r["vs_flashqla"]) < 1 or r["problem"] == "(16, 64) 1x32768":
+        print(f"  {r['problem']}: {r['ms']} ms, {r['vs_flashqla']}x FlashQLA, {r['x_floor']}x the floor")
+assert len(api_43) == 40 and sum(x >= 1 for x in vs_fq) == 39 and geo(vs_fq) > 1.2
 
 # %% [markdown]
 #
@@ -2497,3 +2604,10 @@ assert share["(16, 64) 1x8192", "gdn_fwd.s41", "chain", "wait bar_m_ready"] > 0.
 #   library runs it: 1.11-1.70x FlashQLA's speed on the nine problems where it runs, (16, 64)
 #   1 x 32768 at 1.396 ms (2.69x the floor; one H100, 679347d). Moving $-W\!Y D K$ to the scores
 #   warpgroup (`gdn_fwd.s41`) makes that warpgroup the pacer: 1.02-1.04x slower.
+# - The solve was bound by shared-memory loads (a lane read every $K K^\top$ entry it multiplied).
+#   `gate_free_solve.s15` runs phase B's block levels as warp-wide tf32 `mma.sync` products, held
+#   transposed so that accumulators feed the next product unshuffled: 0.68-0.81x s06's time; `s16`
+#   does the same in the cumsum-and-solve kernel: 0.77-0.92x s14's. The library (`gdn_fwd.s43`) is
+#   0.96-2.06x FlashQLA's speed on the 40 problems (geomean 1.22x, below it only on (8, 24)
+#   28672 + 4096) and 1.35-4.09x FLA's (geomean 2.50x); (16, 64) 1 x 32768 at 1.127 ms, 2.28x the
+#   floor (one H100, 1a05b0c).

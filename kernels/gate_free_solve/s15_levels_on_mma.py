@@ -15,12 +15,12 @@ its A operand wants columns (t, t + 4): read as A, the accumulator's columns are
 k, and the B operand is loaded with rows permuted the same way (``b0`` at row 2 t, ``b1`` at 2 t +
 1), so the sum is unchanged. Operands are rounded to tf32 (nearest; ``tf32``).
 
-Why: s06 is bound by shared-memory loads. Each lane computes one column of a block product and
-reads every K K^T entry it multiplies (16 lanes read the same word): about 2,600 loads a lane for
-four heads, ~10,400 warp-wide loads a CTA, which at one a cycle an SM matches the 98 us Nsight
-Compute measured on (16, 64) 1x8192 (``results/ncu_gate_free_solve_s06.csv``: occupancy 18 %,
-``short_scoreboard`` first). An m16n8k8 fragment is 4 (A) or 2 (B) loads a lane for 128 or 64
-products: phase B's loads fall from about 2,000 to about 300 a lane.
+Why: s06's time is mostly shared-memory loads. Each lane computes one column of a block product
+and reads every K K^T entry it multiplies (16 lanes read the same word): about 2,240 loads a lane
+for four heads, about 9,000 warp-wide loads a CTA, which at one a cycle an SM make about 80 of the
+98 us Nsight Compute measured on (16, 64) 1x8192 (``results/ncu_gate_free_solve_s06.csv``; the
+count is notebooks/04_reformulation.py's). An m16n8k8 fragment is 4 (A) or 2 (B) loads a lane for
+128 or 64 products: phase B's loads fall from about 2,000 to about 300 a lane.
 
 Precision: tf32 (rounded to nearest) in the level products, fp32 accumulation; the diagonal
 inverses and every flagged head in fp32 as s06.
@@ -39,9 +39,9 @@ replays), us:
 
 0.68-0.81x s06's time; Ab within 3.0e-4 relative L2 of s06's. Nsight Compute on (16, 64) 1x8192
 (``results/ncu_gate_free_solve_s15.csv``): 78.3 us against s06's 98.1, DRAM 32.8 % of peak (26.2
-%), occupancy 23.7 % (18.2 %), 37 KiB of shared memory and 128 registers; the first stall is now
-``long_scoreboard`` (2.48: K's global loads before K K^T), then ``short_scoreboard`` (2.32: phase
-A's shared-memory reads). In the forward: gdn_fwd.s42. Its GPU tests passed at ccabfe0 and 597433d
+%), occupancy 23.7 % (23.3 %), 37 KiB of shared memory and 128 registers; the first stalls are
+now ``long_scoreboard`` (2.48: K's global loads before K K^T) and ``short_scoreboard`` (2.32: shared
+memory, mostly phase A's reads). In the forward: gdn_fwd.s42. Its GPU tests passed at ccabfe0 and 597433d
 (adversarial inputs against float64, the flagged heads' rows bit for bit s06's; the public
 shapes).
 
