@@ -292,14 +292,16 @@ def test_role_timeline_holds_what_the_stages_quote():
     gdn_fwd.s34's to s40's docstrings quote on (16, 64) 1x8192: the wide kernel's scores / output
     warpgroup waits under 12 % of its span in the library's and s34's kernels; s34's own work there
     3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252; s37's state span
-    5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461); s41's scores warpgroup 5157 (3069)."""
+    5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461); s41's scores warpgroup 5157 (3069).
+    At BV 128 (the library at 2066b86, (16, 16) 8x4096) the scores / output warpgroup's own work is
+    over half its span, where the state warpgroup waits over half of its on Vd (the README's gaps)."""
     import csv
     import subprocess
 
     path = bench.RESULTS / "role_timeline.csv"
     out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "role_timeline_lab.py"), "report", str(path)],
                          capture_output=True, text=True, check=True).stdout
-    assert out.count("cycles per chunk") == 12
+    assert out.count("cycles per chunk") == 14
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192"]
 
@@ -317,3 +319,21 @@ def test_role_timeline_holds_what_the_stages_quote():
     assert (span["gdn_fwd.s39", "chain"], cycles("gdn_fwd.s39", "chain", "work")) == (4885, 2510)
     assert (span["gdn_fwd.s40", "chain"], cycles("gdn_fwd.s40", "chain", "work")) == (4835, 2461)
     assert (span["gdn_fwd.s41", "scores"], cycles("gdn_fwd.s41", "scores", "work")) == (5157, 3069)
+    with open(path, newline="") as f:
+        wide = {(r["role"], r["activity"]): float(r["share"]) for r in csv.DictReader(f)
+                if r["problem"].startswith("(16, 16) 4096+") and r["commit"] == "2066b86"}
+    assert wide["scores/output", "work"] > 0.5 and wide["state", "wait bar_vd_ready"] > 0.5
+
+
+def test_solve_kernels_hold_what_the_stages_quote():
+    """``results/solve_kernels.csv`` (profiles/solve_lab.py --kernels) holds what gate_free_solve.s15's
+    and s16's docstrings quote: every new kernel faster than the one it replaces, s15 at 0.68-0.81x
+    s06's time, s16 at 0.77-0.92x s14's, Ab within 3.0e-4 (s15) and 5.2e-4 (s16) of theirs."""
+    rows = bench.read_csv(bench.RESULTS / "solve_kernels.csv")
+    ratio = {}
+    for r in rows:
+        ratio.setdefault(r["after"][:3], []).append(float(r["after_us"]) / float(r["before_us"]))
+        assert float(r["rel_l2"]) <= {"s15": 3.0e-4, "s16": 5.2e-4}[r["after"][:3]], r
+    assert (round(min(ratio["s15"]), 2), round(max(ratio["s15"]), 2)) == (0.68, 0.81)
+    assert (round(min(ratio["s16"]), 2), round(max(ratio["s16"]), 2)) == (0.77, 0.92)
+    assert len(rows) == 13 and {r["commit"] for r in rows} == {"69c6bf5"}
