@@ -78,9 +78,7 @@ def cumsum_solve_kernel(H: int, HV: int, heads_per_cta: int):
     num_bounds = T.dynamic("num_bounds")
     num_rows = T.dynamic("num_rows")
 
-    phase_a, phase_b = fwd.solve_phases(T, lambda r, b, half, q, j: (r, SOLVE_BLOCK * b + 8 * half + q, j))
-
-    levels_on_mma = S15.phase_b_on_mma(T, False)
+    solve_heads = S15.solve_after_kkt(T, R, False)
 
     @T.prim_func
     def gate_free_solve_with_cumsum_levels_on_mma(
@@ -217,43 +215,9 @@ def cumsum_solve_kernel(H: int, HV: int, heads_per_cta: int):
                 if beta_s[r, i] * kkt_s[i, i] > GROWTH_LIMIT:
                     flag_s[r] = 1
             T.sync_threads()
-            any_flag[0] = 0
-            for r in T.unroll(R):
-                any_flag[0] = any_flag[0] | flag_s[r]
-
-            # phase A (s06's): warp w solves X_ww of every head, the heads' substitutions interleaved;
-            # a CTA with a flagged head solves its heads one at a time, each with its own A
-            if any_flag[0] == 0:
-                phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, 0, R, False)
-            else:
-                for r in T.unroll(R):
-                    if flag_s[r] == 1:
-                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, True)
-                    else:
-                        phase_a(kkt_s, g_s, beta_s, xd_s, x_a, acc, row, warp, c, half, n, r, 1, False)
-            T.sync_threads()
-
-            # phase B: for head r warp w walks block column jb down (s06's Latin square)
-            for r in T.serial(R):
-                jb = T.if_then_else(r % 2 == 0, (warp + 2 * (r // 2)) % NB, NB - 1 - (warp + 2 * (r // 2)) % NB)
-                if flag_s[r] == 1:
-                    # s06's fp32 walk with the gated A; Ab[:, col] = X[:, col] beta_col (it holds the gate)
-                    col = SOLVE_BLOCK * jb + c
-                    phase_b(kkt_s, g_s, beta_s, xd_s, x_col, t_col, acc, row, jb, c, half, n, r, True)
-                    for l in T.unroll(NB):
-                        if jb + l < NB:
-                            for q in T.unroll(8):
-                                if SOLVE_BLOCK * (jb + l) + 8 * half + q < n:
-                                    ab[bos + SOLVE_BLOCK * (jb + l) + 8 * half + q, hv0 + r, col] = x_col[8 * l + q] * beta_s[r, col]
-                    for l in T.unroll(1, NB):
-                        if jb >= l:
-                            for q in T.unroll(8):
-                                if SOLVE_BLOCK * (jb - l) + 8 * half + q < n:
-                                    ab[bos + SOLVE_BLOCK * (jb - l) + 8 * half + q, hv0 + r, col] = 0
-                else:
-                    levels_on_mma(kkt_s, beta_s, g_s, xd_s, xa, ta, tc, xc, b, jb, gq, tq, r, n, hv0, bos, ab)
-                if t == 0:
-                    gated[i_c, hv0 + r] = flag_s[r]
+            # phase A, then phase B head by head (s15's)
+            solve_heads(kkt_s, g_s, beta_s, flag_s, xd_s, x_a, x_col, t_col, acc, row, xa, ta, tc, xc, b,
+                        any_flag, t, warp, c, half, gq, tq, n, hv0, bos, i_c, ab, gated)
 
     return gate_free_solve_with_cumsum_levels_on_mma
 
