@@ -64,7 +64,8 @@ CHUNK_SIZE = fwd.CHUNK_SIZE      # C: tokens per chunk
 BLOCK = fwd.SOLVE_BLOCK          # the inverse's blocks: 16 x 16, one m16 tile
 HEAD_DIM, THREADS, MIN_CTAS_PER_SM = fwd.HEAD_DIM, fwd.THREADS, fwd.MIN_CTAS_PER_SM  # s06's
 GROWTH_LIMIT, LOG2E = fwd.GROWTH_LIMIT, fwd.LOG2E
-KKT_STRIDE = fwd.CHUNK_SIZE + 8  # K K^T's rows padded: a quad's 8-byte B loads hit 32 banks once
+KKT_STRIDE = fwd.CHUNK_SIZE + 8  # K K^T's rows padded by 8 floats: the B loads (row g, column 2t) at most
+                                 # 2-way bank conflicts, 8-way unpadded
 DEFAULT_SHAPE = dict(H=16, HV=64)
 
 

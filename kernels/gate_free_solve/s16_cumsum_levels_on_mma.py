@@ -5,8 +5,8 @@ What changed from s14 (as promoted in ``flashqla.fwd.gate_free_solve_with_cumsum
 after the prologue. s14 ran s08's: phase A, level 1 on the CUDA cores (fp32), the lower-left 32 x 32
 half as two tf32 products of whole halves staged in shared memory. Here it is s15's: phase A, then
 for each unflagged head a warp walks a block column down with mma.sync (``S15.phase_b_on_mma``); a
-flagged head keeps s06's fp32 walk. The halves' staging buffers go: shared memory falls from 33 KiB
-(one head) to about 27.
+flagged head keeps s06's fp32 walk. The halves' staging buffers go: at one head a CTA the generated
+kernel's shared memory ends at 23,104 bytes (s12's docstring: 33,296 for s08's).
 
 Why (one H100, ccabfe0; each kernel alone, 20 launches in a CUDA graph): s15's solve after the
 library's cumsum kernel already beat s14's one kernel on the grids the forward gives one or two
