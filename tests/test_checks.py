@@ -38,6 +38,14 @@ def chunk_kkt_with_diagonal(k, g_cum, beta, cu_seqlens=None):
     a[0, t, :, row % 64] += beta[0] * (kk[0] ** 2).sum(-1)
     return a
 
+def solve_without_a_level(k, beta, cu_seqlens=None, chunk_size=64):
+    """gate_free_solve.s15's walk with one block product lost: X_10 (rows 16-31 of the first chunk,
+    columns 0-15) left at zero."""
+    ab = ref.gate_free_solve(k, beta, cu_seqlens, chunk_size).clone()
+    ab[:, 16:32, :, :16] = 0
+    return ab
+
+
 def test_the_reference_in_fp32_passes():
     check_op("gdn_fwd", lambda **x: ref.chunk_gated_delta_rule_ref(
         **{n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
@@ -52,8 +60,10 @@ def test_broken_forward_fails(broken):
 
 
 @pytest.mark.parametrize("op, broken", [("chunk_o", chunk_o_transposed_state),
-                                        ("chunk_kkt", chunk_kkt_with_diagonal)],
-                         ids=["chunk_o transposed state", "chunk_kkt keeps the diagonal"])
+                                        ("chunk_kkt", chunk_kkt_with_diagonal),
+                                        ("gate_free_solve", solve_without_a_level)],
+                         ids=["chunk_o transposed state", "chunk_kkt keeps the diagonal",
+                              "gate_free_solve loses a block level"])
 def test_broken_sub_step_fails(op, broken):
     with pytest.raises(AssertionError, match=f"{op}: wrong answer"):
         check_op(op, broken, op_inputs(op, PROBLEM.inputs()))
