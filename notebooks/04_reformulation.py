@@ -2427,7 +2427,7 @@ assert share["(16, 64) 1x8192", "gdn_fwd.s41", "chain", "wait bar_m_ready"] > 0.
 #
 # With the fused kernel faster, the solve is a third of some forwards: 400 of the API's 1151 us on
 # (16, 64) 8 x 4096, 146 of 364 on (16, 16) 8 x 4096, where FlashQLA's `kkt_solve` took 114
-# (`profiles/timeline_lab.py`, one H100, 2066b86). s06 moves its bytes at about 1 TB/s, and the count
+# (`profiles/results/timeline_weak_rows.csv`, one H100, 2066b86). s06 moves its bytes at about 1 TB/s, and the count
 # of its shared-memory loads accounts for most of its time: in phase B a lane computes one column of a 16 x 16
 # block product and reads every $K K^\top$ entry it multiplies (the 16 lanes of a half read the same
 # word). Per CTA of four heads:

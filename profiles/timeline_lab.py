@@ -4,8 +4,9 @@ time and the gap before it.
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
     python3 profiles/timeline_lab.py measure OUT.csv [--commit SHA] [--impls gdn_fwd.27 API FlashQLA]
+        [--problems LABEL ...]
 
-For each problem of PROBLEMS and each implementation (a gdn_fwd stage ``gdn_fwd.NN``, the library's
+For each problem (``problems``' default set, or the benchmark problems named) and each implementation (a gdn_fwd stage ``gdn_fwd.NN``, the library's
 entry point ``API``, ``FlashQLA``): three eager calls, one forward captured in a CUDA graph, five
 replays, then REPLAYS replays under torch.profiler (each followed by a synchronize). One row per
 kernel of the forward, in launch order:
@@ -27,6 +28,10 @@ plus the provenance columns of ``flashqla.bench.versions`` and ``method``. On an
 prints the timelines. ``results/timeline.csv`` (one H100, commit ab90d41: gdn_fwd.s27, the API on
 s26's kernels, FlashQLA) is quoted in gdn_fwd.s27's and s28's docstrings; it came from the run of
 the script this lab was written from, with the same method, printed and then tabulated.
+``results/timeline_weak_rows.csv`` (one H100, commit 2066b86: the API, s40's library, and FlashQLA
+on (16, 16) 8x4096, (8, 24) 28672+4096, (16, 64) 8x4096, (8, 24) 1x2048 and (8, 32) 1x8192; that
+run replaced the problem list in-process, as ``--problems`` now does) is quoted in gdn_fwd.s42's
+docstring, notebook 04 and the README's gaps.
 """
 
 import argparse
@@ -41,9 +46,17 @@ METHOD = (f"one forward in a CUDA graph; kernel device times and gaps under torc
           f"{REPLAYS} replays")
 
 
-def problems():
+def problems(labels=()):
+    """PROBLEMS' default set, or the benchmark's problems with these short labels (e.g. "(16, 16) 8x4096")."""
+    from flashqla import bench
     from flashqla.testing import Problem
 
+    if labels:
+        by_label = {bench.short_label(p.label): p for p in bench.PROBLEMS}
+        unknown = [lab for lab in labels if lab not in by_label]
+        if unknown:
+            raise ValueError(f"timeline_lab: `--problems` {unknown} are not benchmark problems")
+        return [by_label[lab] for lab in labels]
     return ([Problem(H, HV, (2048,)) for H, HV in ((2, 8), (4, 16), (8, 32), (8, 24), (16, 16), (16, 64))]
             + [Problem(2, 8, (8192,)), Problem(16, 48, (8192,))])
 
@@ -105,18 +118,19 @@ def timeline(fn, x) -> list[dict]:
     return rows
 
 
-def measure(out: Path, commit: str, impls: list[str]) -> int:
+def measure(out: Path, commit: str, impls: list[str], labels=()) -> int:
     from flashqla import bench
     from flashqla.testing import run_on_threads
 
     fns = {name: implementation(name) for name in impls}
-    inputs = [p.inputs("cuda", seed=0) for p in problems()]
+    chosen = problems(labels)
+    inputs = [p.inputs("cuda", seed=0) for p in chosen]
     for name, fn in fns.items():  # compile every kernel shape first, many at a time (FlashQLA: its own JIT)
         if name != "FlashQLA":
             run_on_threads([lambda x=x, fn=fn: fn(x) for x in inputs])
     meta = bench.versions(commit) | {"method": METHOD}
     rows = []
-    for p, x in zip(problems(), inputs):
+    for p, x in zip(chosen, inputs):
         for name, fn in fns.items():
             rows += [dict(problem=p.label, impl=name, **r, **meta) for r in timeline(fn, x)]
             print(report_block([r for r in rows if r["problem"] == p.label and r["impl"] == name]), flush=True)
@@ -148,11 +162,12 @@ def main(argv=None) -> int:
     p_measure.add_argument("out", type=Path)
     p_measure.add_argument("--commit", default="unknown")
     p_measure.add_argument("--impls", nargs="+", default=["gdn_fwd.27", "API", "FlashQLA"])
+    p_measure.add_argument("--problems", nargs="+", default=(), help='benchmark problems, e.g. "(16, 16) 8x4096"')
     p_report = sub.add_parser("report")
     p_report.add_argument("path", type=Path)
     args = parser.parse_args(argv)
     if args.command == "measure":
-        return measure(args.out, args.commit, args.impls)
+        return measure(args.out, args.commit, args.impls, args.problems)
     return report(args.path)
 
 

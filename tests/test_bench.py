@@ -203,6 +203,38 @@ def test_timeline_lab_reports_the_committed_csv():
     assert abs(us("API", "fused") - us("FlashQLA", "fused")) < 2
 
 
+def test_weak_rows_timeline_holds_what_the_stages_quote():
+    """``results/timeline_weak_rows.csv`` (timeline_lab.py, 2066b86) prints as ten timelines and holds
+    what gdn_fwd.s42's and s43's docstrings and the README quote: the solve 146.3 of the API's 364.0
+    us on (16, 16) 8x4096 against FlashQLA's kkt_solve 113.6, and 400.0 of 1150.6 on (16, 64)
+    8x4096; the lab's ``--problems`` names exactly those five problems."""
+    import subprocess
+
+    sys.path.insert(0, str(bench.RESULTS.parent))
+    try:
+        import timeline_lab
+    finally:
+        sys.path.pop(0)
+    path = bench.RESULTS / "timeline_weak_rows.csv"
+    out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "timeline_lab.py"), "report", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("== ") == 10
+    rows = bench.read_csv(path)
+    labels = list(dict.fromkeys(r["problem"] for r in rows))
+    assert [p.label for p in timeline_lab.problems([bench.short_label(x) for x in labels])] == labels
+
+    def us(label, impl, part):
+        (hit,) = [(float(r["us"]), float(r["span_us"])) for r in rows
+                  if bench.short_label(r["problem"]) == label and r["impl"] == impl and part in r["kernel"]]
+        return hit
+
+    assert us("(16, 16) 8x4096", "API", "solve") == (146.3, 364.0)
+    assert us("(16, 16) 8x4096", "FlashQLA", "kkt_solve")[0] == 113.6
+    assert us("(16, 64) 8x4096", "API", "solve") == (400.0, 1150.6)
+    with pytest.raises(ValueError, match="not benchmark problems"):
+        timeline_lab.problems(["(3, 9) 1x5"])
+
+
 def test_prologue_timeline_holds_what_the_stages_quote():
     """``results/timeline_prologue.csv`` (profiles/timeline_lab.py, gdn_fwd.s31, s30, the API = s29,
     FlashQLA) prints as 24 timelines, and holds what gate_free_solve.s13's and s12's docstrings quote:

@@ -6,7 +6,7 @@ s40 does (s37's ``stores_wy``) and Ab elsewhere; nothing else. The cumsum-and-so
 two heads a CTA), the fused kernels and AutoCP are s40's.
 
 Why: the solve was 400 us of the API's 1151 on (16, 64) 8x4096 and 163 of 854 on (8, 24)
-28672+4096 (one H100, 2066b86; ``profiles/timeline_lab.py``), moving its bytes at about 1 TB/s,
+28672+4096 (one H100, 2066b86; ``results/timeline_weak_rows.csv``), moving its bytes at about 1 TB/s,
 bound by shared-memory loads (gate_free_solve.s15's docstring).
 
 Measured effect (one H100, commit ccabfe0; ``bench.time_row`` in one process), ms:

@@ -7,7 +7,7 @@ B's block levels on mma.sync.
 
 Why: gate_free_solve.s16's table (s15's solve against s14's kernel). The forwards it serves are
 the (16, 16) and (16, 32) problems and the short ones (1x2048), where the solve was up to 40 % of
-the forward ((16, 16) 8x4096: 146 us of 364; one H100, 2066b86, ``profiles/timeline_lab.py``).
+the forward ((16, 16) 8x4096: 146 us of 364; one H100, 2066b86, ``results/timeline_weak_rows.csv``).
 
 Measured effect (one H100, commit 597433d; ``bench.time_row`` in one process), ms:
 
