@@ -423,7 +423,8 @@ def tf32(T, x):
 
 def phase_b_on_mma(T, store_wy: bool):
     """Phase B of an unflagged head as a TileLang macro: warp by warp, the block column jb of head r
-    walked down on mma.sync (the module doc), then Ab's column block stored (or WY if ``store_wy``)."""
+    walked down on mma.sync (gate_free_solve.s15's module doc), then Ab's column block stored (or WY if
+    ``store_wy``)."""
     NB = CHUNK_SIZE // SOLVE_BLOCK
 
     @T.macro
