@@ -72,9 +72,10 @@ def prologue(store_wy: bool):
 
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, *, prologue=prologue):
     """s40's forward with this stage's prologue (``cp`` None decides, False never splits, True
-    splits at the rule's cheapest L, an int is the segment length in chunks)."""
+    splits at the rule's cheapest L, an int is the segment length in chunks). ``prologue(store_wy)``:
+    the kernels before AutoCP's (this stage's); gdn_fwd.s43 passes its own."""
     if S37.stores_wy(q, v, cu_seqlens, cp):
         return S34.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold,
                            prologue=prologue(True), fused=S40._wide)

@@ -43,7 +43,7 @@ SOURCE_MUST_CONTAIN = ("cudaGridDependencySynchronize()", "tl::mma_sync<tl::Data
 
 S42 = stages.load("gdn_fwd", 42)                # the forward this one edits
 SOLVE = stages.load("gate_free_solve", 16)      # the table, the cumsum and s15's solve in one kernel
-S40, S37, S34, S30 = S42.S40, S42.S37, S42.S34, S42.S30
+S37, S30 = S42.S37, S42.S30
 CHUNK_SIZE = S42.CHUNK_SIZE
 HEAD_DIM = S42.HEAD_DIM
 DEFAULT_SHAPE = dict(H=16, HV=32, R=2)
@@ -77,11 +77,8 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
             cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
     """s42's forward with this stage's prologue (``cp`` None decides, False never splits, True
     splits at the rule's cheapest L, an int is the segment length in chunks)."""
-    if S37.stores_wy(q, v, cu_seqlens, cp):
-        return S34.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold,
-                           prologue=prologue(True), fused=S40._wide)
-    return S34.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold,
-                       prologue=prologue(False))
+    return S42.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, threshold,
+                       prologue=prologue)
 
 
 def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
