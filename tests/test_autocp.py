@@ -429,10 +429,10 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35, 36, 37, 38, 39, 40, 41],
+                                        34, 35, 36, 37, 38, 39, 40, 41, 44],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
                      "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37", "s38", "s39", "s40",
-                     "s41"])
+                     "s41", "s44"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -444,7 +444,8 @@ def stage(request):
     the solve's prologue, s32 s31's at gate_free_solve.s14's CTAs an SM, s33 s32's with BV 16, s34 s33's with the wide
     kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only, s38 s37's with the chain
     running ahead of the output, s39 s37's with the state in registers,
-    s40 s39's with stmatrix hand-offs, s41 s40's with -WY D K from the scores), with its kernels (and those of the chain it runs) compiled on threads first."""
+    s40 s39's with stmatrix hand-offs, s41 s40's with -WY D K from the scores, s44 s43's with
+    phase 1 on two products), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 
@@ -689,6 +690,78 @@ def test_s23_warmup_gives_s20s_z_and_m(problem, L, inputs):
     assert not (z23.isnan().any() or m23.isnan().any()), "a tile was not written"
     assert rel_l2(z23, z20) <= 2 ** -9 and rel_l2(m23, m20) <= 2 ** -9, (rel_l2(z23, z20), rel_l2(m23, m20))
     assert exact[p.slot_warm].any() and z20.abs().sum() > 0 and m20.abs().sum() > 0  # both paths taken
+
+
+def windows_in_float64(x, win_start, slot_start, exact):
+    """Phase 1 in float64 by the token recurrence: per (slot, value head) Z, the state from zero
+    over the window [win_start, slot_start), and M, the state from I with v = 0 over it (exact
+    heads; 0 for the others). x: varlen inputs (B = 1); [J N, HV, K, K] each."""
+    k = ref.expand_heads(x["k"].to(F64), x["g"].shape[2])             # [1, T, HV, K]
+    v, g, beta = (x[n].to(F64) for n in ("v", "g", "beta"))
+    S, HV = win_start.shape
+    K = k.shape[-1]
+    z = torch.zeros(S, HV, K, K, dtype=F64, device=k.device)
+    m = torch.zeros_like(z)
+    eye = torch.eye(K, dtype=F64, device=k.device).expand(1, HV, K, K)
+    for s in range(S):
+        end, start = int(slot_start[s]), int(win_start[s].min())
+        if end == start:
+            continue
+        # tokens before a head's own window start neither decay nor write (k = 0, g = 0)
+        inside = (torch.arange(start, end, device=k.device)[:, None] >= win_start[s][None, :].long())[None]
+        kw = torch.where(inside[..., None], k[:, start:end], 0)
+        gw = torch.where(inside, g[:, start:end], 0)
+        _, z[s] = ref.naive_recurrent_gated_delta_rule(kw, kw, v[:, start:end], gw, beta[:, start:end],
+                                                       output_final_state=True)
+        _, ms = ref.naive_recurrent_gated_delta_rule(kw, kw, torch.zeros_like(v[:, start:end]), gw,
+                                                     beta[:, start:end], initial_state=eye,
+                                                     output_final_state=True)
+        m[s] = torch.where(exact[s].bool()[:, None, None], ms[0], 0)
+    return z, m
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
+@pytest.mark.parametrize("problem,L", [(Problem(2, 8, (4096,)), 8), (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),
+                                       (Problem(2, 8, (9000,)), 100)], ids=lambda c: getattr(c, "label", str(c)))
+def test_s44_warmup_is_as_close_to_float64_as_s23s(problem, L, inputs):
+    """gdn_fwd.s44's warm-up (two products a chunk with X = Ab^T K; gated chunks through their own
+    X) writes every slot's Z and M (NaN before it runs) within TOLERANCE_FACTOR x the relative L2
+    error that s23's kernel, the one it replaces, makes against the float64 recurrence over the
+    same windows, for Z and for M alike. Flagged chunks (the solve kept the gate) sit in exact
+    windows; a wrong factor on them, or a dropped V^T XB, is off by O(1)."""
+    from flashqla.stages import load
+
+    s18, s23, s44 = load("gdn_fwd", 18), load("gdn_fwd", 23), load("gdn_fwd", 44)
+    x = problem.inputs("cuda", seed=4)
+    x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
+    B, T, H, K = x["k"].shape
+    HV = x["g"].shape[2]
+    cu = x["cu_seqlens"]
+    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
+    g_cum = load("chunk_local_cumsum", 1).run(g, cu, C).contiguous()
+    ab, gated = load(*s18.SOLVE).solve(x["k"], beta, g_cum, cu)
+    p = s18.split_plan(cu, B, T, HV, 132, x["q"].device, L, 1.0)
+    win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated)
+    args = (x["k"].view(B * T, H, K), x["v"].view(B * T, HV, K), ab.view(B * T, HV, C), g_cum.view(B * T, HV),
+            gated, win_start, p.slot_start, p.slot_chunk, exact)
+    outs = []
+    for kernel in (s23._compiled(H, HV), s44._warmup(H, HV)):
+        z = torch.full((win_start.shape[0], HV, K, K), float("nan"), device="cuda")
+        m = torch.full_like(z, float("nan"))
+        kernel(*args, z, m)
+        outs.append((z, m))
+    (z23, m23), (z44, m44) = outs
+    assert not (z44.isnan().any() or m44.isnan().any()), "a tile was not written"
+    z64, m64 = windows_in_float64({**x, "g": g, "beta": beta}, win_start, p.slot_start, exact)
+    for name, got, base, want in (("Z", z44, z23, z64), ("M", m44, m23, m64)):
+        err, err23 = rel_l2(got.double(), want), rel_l2(base.double(), want)
+        assert err <= TOLERANCE_FACTOR * max(err23, ROUNDING_FLOOR), (name, err, err23)
+    assert exact[p.slot_warm].any() and z64.abs().sum() > 0 and m64.abs().sum() > 0  # both paths taken
+    if inputs == "flagged":  # a gated chunk inside an exact window
+        rows = torch.cat([torch.arange(int(c) - L, int(c)) for c, w in zip(p.slot_chunk.tolist(), p.slot_warm.tolist()) if w])
+        assert (gated[rows.to(gated.device)] != 0).any()
 
 
 @pytest.mark.gpu
