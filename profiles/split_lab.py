@@ -3,7 +3,7 @@ the stage before it and FlashQLA, on few heads and long sequences.
 
 On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
-    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24|29|33] [--heads H,HV ...]
+    python3 profiles/split_lab.py OUT.csv [--stage 18|20|21|23|24|29|33|44] [--heads H,HV ...]
         [--problems LABEL ...] [--ls L ...] [--commit SHA]
 
 For each problem of PROBLEMS, rows ``impl, L, ms``: the stage (``gdn_fwd.s18`` by default) with
@@ -41,7 +41,7 @@ PROBLEMS = [Problem(H, HV, lengths) for H, HV in ((2, 8), (4, 16), (16, 16))
     # no rule splits them; the unsplit launch leaves SMs idle (96 CTAs at BV 64 on (16, 48))
     Problem(16, 48, (32768,)), Problem(16, 48, (8192,)), Problem(16, 64, (32768,))]
 LS = (0, 8, 16, 24, 32, 48, 64, 96)
-PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23, 29: 28, 33: 29}  # the stage whose split a stage's sweep is compared with
+PREVIOUS = {18: 17, 20: 18, 21: 20, 23: 22, 24: 23, 29: 28, 33: 29, 44: 43}  # the stage whose split a stage's sweep is compared with
 
 
 def measure(out: Path, heads, commit: str, stage: int, labels=(), extra_ls=()) -> int:
