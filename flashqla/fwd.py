@@ -3,8 +3,10 @@
 Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
 installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
 same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s43's
-pipeline: s40's with every solve's phase B on mma.sync (gate_free_solve.s15: each unflagged head's
+library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s44's
+pipeline: s43's with AutoCP's phase 1 on two products a chunk (the warm-up kernel's state
+transposed in registers, S^T <- exp(g_C) S^T + V^T XB - U^T XA with X = Ab^T K built beside it) and
+the rule's costs refitted to it. s43's is s40's with every solve's phase B on mma.sync (gate_free_solve.s15: each unflagged head's
 block levels as warp-wide tf32 products; s16: the same in the kernel that also makes the table and
 the cumsum). s40's is s37's, where the fused kernel runs unsplit at 64 value columns a CTA after s06's solve
 (three or four heads a CTA), has the solve store WY = Gamma * Ab (gdn_fwd.s36's solve) and s40's
@@ -77,15 +79,17 @@ Its kernels (measurements from each stage's docstring and ``profiles/results/``;
                                                                   decay reaches -10) or exact (g = 0
                                                                   heads, the bound's conditions
                                                                   broken in the previous segment)
-    gdn_fwd.s23 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
+    gdn_fwd.s44 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
                                                                   zero (Z), and for exact heads the
                                                                   previous segment's transition (M,
-                                                                  the chain from I with v = 0); the
-                                                                  fused kernels' math, from the
-                                                                  solve's Ab, on warp roles
-                                                                  (producer, wy, value, state):
-                                                                  0.75-0.81x s20's kernel time
-                                                                  (one H100, f36f275)
+                                                                  the chain from I with v = 0), from
+                                                                  the solve's Ab: two dependent
+                                                                  products a chunk on S^T in
+                                                                  registers, X = Ab^T K by its own
+                                                                  warpgroup (producer, x, chain);
+                                                                  the forward 0.78-0.85x s43's on
+                                                                  the split problems (one H100,
+                                                                  cd21a8d)
     gdn_fwd.s24 (chain)      h0, Z, M, exact         -> h_seg     each segment row's initial state,
                                                                   h_j = Z_j + M_j h_{j-1}, in one
                                                                   kernel (a CTA per sequence, head
@@ -169,11 +173,12 @@ MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the hea
 CHAIN_COLUMNS = 8     # AutoCP's phase 2 (gdn_fwd.s21's tiles): state columns per CTA, V / 8 per (sequence, head)
 CHAIN_THREADS = 256   # ... 4 state elements a thread (TileLang adds a producer warpgroup)
 CHAIN_STAGES = 2      # ... M_j buffers: M_{j+1} loads while M_j multiplies
-SEGMENT_LADDER = (8, 16, 24, 32, 48, 64, 96)  # AutoCP's rule (``segment_chunks``, gdn_fwd.s25's): the
-PHASE3_CTAS_PER_SM = 2                 # lengths it weighs besides L0 and 2 L0; phase 3's BV 64 CTAs an
-WAVE_CHUNK_STEPS = 2.45                # SM in a wave; a split's cost in chunk steps at BV 64: per chunk
-SEGMENT_STEPS = 4.8                    # of a segment and wave of phase 3, per segment of the longest
-FIXED_STEPS = 16                       # sequence, once
+SEGMENT_LADDER = (8, 16, 24, 32, 48, 64, 96)  # AutoCP's rule (``segment_chunks``, gdn_fwd.s25's form at
+PHASE3_CTAS_PER_SM = 2                 # s44's costs): the lengths it weighs besides L0 and 2 L0; phase
+WAVE_CHUNK_STEPS = 1.85                # 3's BV 64 CTAs an SM in a wave; a split's cost in chunk steps at
+SEGMENT_STEPS = 4.8                    # BV 64: per chunk of a segment and wave of phase 3, per segment
+FIXED_STEPS = 16                       # of the longest sequence, once
+WY_STEP = 0.75                         # ... and a chunk step of the unsplit launch where it stores WY
 SOLVE_BLOCK = 16      # gate_free_solve: the inverse's 16 x 16 blocks; a warp walks one block column
 MAX_HEADS_PER_CTA = 4 # gate_free_solve: value heads a CTA solves (of one key head)
 MIN_CTAS_PER_SM = 4   # gate_free_solve: __launch_bounds__(128, 4), 128 registers a thread, no spills
@@ -215,16 +220,15 @@ REGS_WIDE_STATE = 168            # S (128 fp32 a thread)
 REGS_WIDE_VALUE = 128            # U / W / V~ / Vd (64)
 REGS_WIDE_SCORES = 192           # O (64) while Gamma (32) and P (32) of the next chunk are built
 assert REGS_PRODUCER + REGS_WIDE_STATE + REGS_WIDE_VALUE + REGS_WIDE_SCORES <= 4 * 128
-# ---- gdn_fwd.s23's warm-up kernel (AutoCP's phase 1): roles, one warpgroup each, in thread order
-# (s23's names, prefixed WARMUP_); its producer's budget is REGS_PRODUCER, its stages NUM_STAGES
-WARMUP_STATE_END = 1 * WARPGROUP  # [0, 128)   state: owns S; its snapshot, decay and update
-WARMUP_VALUE_END = 2 * WARPGROUP  # [128, 256) value: U = K S, W, V~ = WY W, Vd
-WARMUP_WY_END = 3 * WARPGROUP     # [256, 384) wy: WY = Gamma * Ab, one chunk ahead
-WARMUP_THREADS = 4 * WARPGROUP    # [384, 512) producer: TMA loads of k, v, Ab; the gates
-REGS_WARMUP_STATE = 168           # S (64 fp32 a thread)
-REGS_WARMUP_VALUE = 128           # U / W / V~ / Vd (32)
-REGS_WARMUP_WY = 128              # Gamma * Ab, 32 elements a thread
-assert REGS_PRODUCER + REGS_WARMUP_STATE + REGS_WARMUP_VALUE + REGS_WARMUP_WY <= 4 * 128
+# ---- gdn_fwd.s44's warm-up kernel (AutoCP's phase 1): roles, one warpgroup each, in thread order
+# (s44's names, prefixed WARMUP_); its stages NUM_STAGES, its XA / XB slots NUM_HANDOFF
+WARMUP_CHAIN_END = 1 * WARPGROUP  # [0, 128)   chain: owns S^T; U^T = S^T K^T, S^T += V^T XB - U^T XA
+WARMUP_X_END = 2 * WARPGROUP      # [128, 256) x: X = Ab^T K, XA and XB, a chunk ahead
+WARMUP_THREADS = 3 * WARPGROUP    # [256, 384) producer: TMA loads of k, v, Ab; the gates
+REGS_WARMUP_CHAIN = 232           # S^T (64 fp32 a thread), its bf16 copy (32), U^T (32), -U^T bf16 (16)
+REGS_WARMUP_X = 168               # X (64 fp32 a thread), XA or XB in bf16 (32): the launch's own
+REGS_WARMUP_PRODUCER = 40         # addresses, the gates
+assert REGS_WARMUP_CHAIN + REGS_WARMUP_X + REGS_WARMUP_PRODUCER <= 65536 // WARPGROUP
 STEP = {NARROWEST_BLOCK_V: 0.74,  # a chunk step of the fused kernel at each BV, in steps at BV = 64
         NARROW_BLOCK_V: 0.85,     # (gdn_fwd.s17's: s12 at 32 and s16 at 128 against s16 at 64, one
         BLOCK_V: 1.0,             # wave each, 4 x H100, kernel_width.csv; s33's: s12 at 16 against
@@ -863,11 +867,11 @@ def windows_kernel(HV: int):
     return autocp_windows
 
 
-# ---- promoted from kernels/gdn_fwd/s23_split_warmup.py (AutoCP's phase 1; roles renamed WARMUP_...)
+# ---- promoted from kernels/gdn_fwd/s44_warmup_two_products.py (AutoCP's phase 1; roles renamed WARMUP_...)
 def warmup_kernel(H: int, HV: int):
     """The T.prim_func of phase 1 for H key heads and HV value heads; any token or slot count.
-    Grid: (V + K) / BV column tiles per (slot, value head), V / BV of Z, K / BV of M (s20's); an M
-    tile of a warm-up head, and every tile of a slot without a window, only writes its zeros."""
+    gdn_fwd.s23's grid and outputs: (V + K) / BV column tiles per (slot, value head), V / BV of Z, K / BV
+    of M; an M tile of a warm-up head, and every tile of a slot without a window, writes zeros."""
     import tilelang  # imported here: loading a stage must not pull in TileLang
     import tilelang.language as T
 
@@ -878,7 +882,7 @@ def warmup_kernel(H: int, HV: int):
     num_slots = T.dynamic("num_slots")
 
     @T.prim_func
-    def gdn_autocp_warmup_split(
+    def gdn_autocp_warmup_two_products(
         k: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
         v: T.Tensor((num_tokens, HV, V), "bfloat16"),
         ab: T.Tensor((num_tokens, HV, C), "bfloat16"),         # the solve's rows per token
@@ -903,106 +907,96 @@ def warmup_kernel(H: int, HV: int):
             win_chunks = (eos - bos) // C
             row0 = slot_chunk[i_s] - win_chunks                # chunk row of the window's first chunk
 
-            # tile stages (producer -> state, value, wy); g holds log2(e) g_cum
-            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # value, state
-            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # value (W written in place)
-            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # wy
-            g_s = T.alloc_shared((NUM_STAGES, C), "float32")          # wy
-            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # value: exp(g); state: exp(g_C)
-            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # value: exp(g_C - g)
-            wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")    # wy -> value
-            h_s = T.alloc_shared((K, BV), "bfloat16")                 # state -> value: S in bf16
-            vd_s = T.alloc_shared((C, BV), "bfloat16")                # value -> state: Vd
-            h_f = T.alloc_fragment((K, BV), "float32")                # the state S, fp32, all along
-            x_f = T.alloc_fragment((C, BV), "float32")                # U, then W, V~, Vd
+            # tile stages (producer -> chain, x); g holds log2(e) g_cum
+            k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, x
+            v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
+            ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # x (a gated chunk's scaled in place)
+            eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # x: exp(g); chain: exp(g_C)
+            egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # x: exp(g_C - g)
+            xa_s = T.alloc_shared((NUM_HANDOFF, C, K), "bfloat16")    # x -> chain: XA
+            xb_s = T.alloc_shared((NUM_HANDOFF, C, K), "bfloat16")    # x -> chain: XB
+            # the chain's registers: S^T, its bf16 copy, U^T and -U^T in bf16; the x warpgroup's X
+            st_f = T.alloc_fragment((BV, K), "float32")
+            st_a = T.alloc_fragment((BV, K), "bfloat16")
+            u_f = T.alloc_fragment((BV, C), "float32")
+            u_a = T.alloc_fragment((BV, C), "bfloat16")
+            x_f = T.alloc_fragment((C, K), "float32")
+            x_a = T.alloc_fragment((C, K), "bfloat16")
             keep = T.alloc_var("int32")                               # this chunk's gated flag
-            # v_s and ab_s are read and written in the accumulator layout
-            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
-                               ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
+            # ab_s is scaled in place in the accumulator layout on a gated chunk
+            T.annotate_layout({ab_s: tilelang.layout.make_swizzled_layout(ab_s)})
 
             # ---- barriers; arrive counts: every thread of each arriving role arrives once
             bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)       # producer -> all
-            bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
-            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # wy -> value
-            bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # value -> wy
-            bar_state_ready = T.alloc_barrier(WARPGROUP)                     # state -> value
-            bar_vd_ready = T.alloc_barrier(WARPGROUP)                        # value -> state
+            bar_tiles_empty = T.alloc_barrier([2 * WARPGROUP] * NUM_STAGES)  # all -> producer
+            bar_x_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # x -> chain
+            bar_x_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)          # chain -> x
 
             tx = T.get_thread_binding()
-            if tx < WARMUP_STATE_END:  # ---- the state warpgroup
-                T.set_max_nreg(REGS_WARMUP_STATE, 1)
-                # S <- columns c0.. of I for M tiles of exact heads, else 0
-                for d, j in T.Parallel(K, BV):
-                    h_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
-                for c in T.serial(win_chunks):
-                    s = c % NUM_STAGES
-                    T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    # S_c -> bf16, the operand of K S_c; h_s is free: the value warpgroup read
-                    # S_{c-1} before it handed Vd_{c-1} over
-                    T.copy(h_f, h_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_state_ready)
-                    # S <- exp(g_C) S while the value warpgroup builds Vd
-                    for i, j in T.Parallel(K, BV):
-                        h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
-                    # S <- S + K^T Vd
-                    T.barrier_wait(bar_vd_ready, c % 2)
-                    T.gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
-                    T.barrier_arrive(bar_tiles_empty[s])
-                # Z or M tile <- S
-                if is_m:
-                    T.copy(h_f, m[i_s, i_hv, :, c0:c0 + BV])
-                else:
-                    T.copy(h_f, z[i_s, i_hv, :, c0:c0 + BV])
-
-            elif tx >= WARMUP_STATE_END and tx < WARMUP_VALUE_END:  # ---- the value warpgroup
-                T.set_max_nreg(REGS_WARMUP_VALUE, 1)
+            if tx < WARMUP_CHAIN_END:  # ---- the chain warpgroup
+                T.set_max_nreg(REGS_WARMUP_CHAIN, 1)
+                # S^T <- rows c0.. of I for M tiles of exact heads, else 0
+                for j, d in T.Parallel(BV, K):
+                    st_f[j, d] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    T.barrier_wait(bar_state_ready, c % 2)
-                    # U <- K S_c
-                    T.gemm(k_s[s, :, :], h_s, x_f, clear_accum=True)
-                    # W <- V - diag(exp(g)) U (V read as 0 for M: the map of S alone), in place
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = T.if_then_else(is_m, 0.0, v_s[s, i, j]) - eg_s[s, i] * x_f[i, j]
-                    T.copy(x_f, v_s[s, :, :])
-                    T.fence_proxy_async()
-                    # V~ <- WY W, WY from the wy warpgroup; its slot is free once this returns
-                    T.barrier_wait(bar_wy_ready[b], (c // NUM_HANDOFF) % 2)
-                    T.gemm(wy_s[b, :, :], v_s[s, :, :], x_f, clear_accum=True)
-                    T.barrier_arrive(bar_wy_free[b])
-                    # Vd <- diag(exp(g_C - g)) V~ -> vd_shared (the state has read Vd_{c-1}: it
-                    # handed S_c over after its update)
-                    for i, j in T.Parallel(C, BV):
-                        x_f[i, j] = x_f[i, j] * egd_s[s, i]
-                    T.copy(x_f, vd_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_vd_ready)
+                    # S^T rounded to bf16 in registers, then S^T <- exp(g_C) S^T (before the products:
+                    # an accumulator written while a wgmma batch runs serializes it, ptxas C7515)
+                    for j, d in T.Parallel(BV, K):
+                        st_a[j, d] = st_f[j, d]
+                        st_f[j, d] = st_f[j, d] * eg_s[s, C - 1]
+                    # U^T <- S^T K^T and S^T <- S^T + V^T XB, both issued without waiting
+                    T.wgmma_gemm(st_a, k_s[s, :, :], u_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(bar_x_ready[b], (c // NUM_HANDOFF) % 2)
+                    if not is_m:
+                        T.wgmma_gemm(v_s[s, :, :], xb_s[b, :, :], st_f, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(u_f, num_regs=BV * C // WARPGROUP)
+                    T.warpgroup_fence_operand(st_f, num_regs=BV * K // WARPGROUP)
+                    # S^T <- S^T + (-U^T) XA
+                    for j, i in T.Parallel(BV, C):
+                        u_a[j, i] = -u_f[j, i]
+                    T.gemm(u_a, xa_s[b, :, :], st_f)
+                    T.barrier_arrive(bar_x_free[b])
                     T.barrier_arrive(bar_tiles_empty[s])
+                # Z or M tile <- S, transposed back
+                if is_m:
+                    for j, d in T.Parallel(BV, K):
+                        m[i_s, i_hv, d, c0 + j] = st_f[j, d]
+                else:
+                    for j, d in T.Parallel(BV, K):
+                        z[i_s, i_hv, d, c0 + j] = st_f[j, d]
 
-            elif tx >= WARMUP_VALUE_END and tx < WARMUP_WY_END:  # ---- the wy warpgroup
-                T.set_max_nreg(REGS_WARMUP_WY, 1)
+            elif tx >= WARMUP_CHAIN_END and tx < WARMUP_X_END:  # ---- the x warpgroup
+                T.set_max_nreg(REGS_WARMUP_X, 1)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
                     b = c % NUM_HANDOFF
                     keep = gated[row0 + c, i_hv]
                     T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
-                    T.barrier_wait(bar_wy_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
-                    # WY <- Gamma * Ab on j <= i (Ab as stored for a gated chunk), 0 above; the
-                    # exponent clamped at 0 so that the masked upper triangle stays finite
-                    for i, j in T.Parallel(C, C):
-                        wy_s[b, i, j] = T.if_then_else(
-                            j <= i,
-                            ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))),
-                            0)
+                    # a gated chunk: Ab <- diag(exp(g_C - g)) Ab (its Ab holds Gamma already)
+                    if keep != 0:
+                        for i, j in T.Parallel(C, C):
+                            ab_s[s, i, j] = ab_s[s, i, j] * egd_s[s, i]
+                        T.fence_proxy_async()
+                    # X <- Ab^T K
+                    T.gemm(ab_s[s, :, :], k_s[s, :, :], x_f, transpose_A=True, clear_accum=True)
+                    # XA <- exp(g_C) X, XB <- diag(exp(g_C - g)) X; gated: XA <- diag(exp g) X, XB <- X
+                    T.barrier_wait(bar_x_free[b], (c // NUM_HANDOFF) % 2 ^ 1)
+                    for i, d in T.Parallel(C, K):
+                        x_a[i, d] = x_f[i, d] * T.if_then_else(keep != 0, eg_s[s, i], eg_s[s, C - 1])
+                    T.copy(x_a, xa_s[b, :, :])
+                    for i, d in T.Parallel(C, K):
+                        x_a[i, d] = x_f[i, d] * T.if_then_else(keep != 0, 1.0, egd_s[s, i])
+                    T.copy(x_a, xb_s[b, :, :])
                     T.fence_proxy_async()
-                    T.barrier_arrive(bar_wy_ready[b])
+                    T.barrier_arrive(bar_x_ready[b])
                     T.barrier_arrive(bar_tiles_empty[s])
 
-            elif tx >= WARMUP_WY_END:  # ---- the producer warpgroup
-                T.set_max_nreg(REGS_PRODUCER, 0)
+            elif tx >= WARMUP_X_END:  # ---- the producer warpgroup
+                T.set_max_nreg(REGS_WARMUP_PRODUCER, 0)
                 for c in T.serial(win_chunks):
                     s = c % NUM_STAGES
                     t0 = bos + c * C
@@ -1010,16 +1004,14 @@ def warmup_kernel(H: int, HV: int):
                     T.tma_copy(k[t0:t0 + C, i_h, :], k_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(v[t0:t0 + C, i_hv, c0:c0 + BV], v_s[s, :, :], barrier=bar_tiles_full[s])
                     T.tma_copy(ab[t0:t0 + C, i_hv, :], ab_s[s, :, :], barrier=bar_tiles_full[s])
-                    # g <- log2(e) g_cum (whole chunks: no padding); the row factors exp(g_i) and
-                    # exp(g_C - g_i) (exp(g_C) is the last of the first)
+                    # the row factors exp(g_i) and exp(g_C - g_i) (exp(g_C) is the last of the first);
+                    # whole chunks: no padding
                     for i in T.Parallel(C):
-                        g_s[s, i] = g_cum[t0 + i, i_hv] * LOG2E
-                    for i in T.Parallel(C):
-                        eg_s[s, i] = T.exp2(g_s[s, i])
-                        egd_s[s, i] = T.exp2(g_s[s, C - 1] - g_s[s, i])
+                        eg_s[s, i] = T.exp2(g_cum[t0 + i, i_hv] * LOG2E)
+                        egd_s[s, i] = T.exp2((g_cum[t0 + C - 1, i_hv] - g_cum[t0 + i, i_hv]) * LOG2E)
                     T.barrier_arrive(bar_tiles_full[s])
 
-    return gdn_autocp_warmup_split
+    return gdn_autocp_warmup_two_products
 
 
 # ---- promoted from kernels/gdn_fwd/s24_chain_reads_what_it_needs.py (AutoCP's phase 2)
@@ -1119,8 +1111,8 @@ def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> i
     return block_v([-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])], HV, V, num_sms)
 
 
-# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py and s25_rule_by_waves.py
-# (AutoCP's rule and plan: s18's shortest L that fits, s25's ladder and prices)
+# ---- promoted from kernels/gdn_fwd/s18_lean_autocp.py, s25_rule_by_waves.py and s44_warmup_two_products.py
+# (AutoCP's rule and plan: s18's shortest L that fits, s25's ladder and prices at s44's costs)
 def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
                    force: bool | int | None = None) -> int:
     """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
@@ -1131,8 +1123,8 @@ def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: f
     at BV 64, WAVE_CHUNK_STEPS L waves + SEGMENT_STEPS J + FIXED_STEPS, with J the longest
     sequence's segments and waves = ceil(2 HV S / (PHASE3_CTAS_PER_SM num_sms)) for S segments in
     all. Automatic (``force`` None): the cheapest, if below the unsplit launch's ``unsplit_step``
-    x the longest sequence (its width's step, ``STEP``), else 0. ``force``: False never splits,
-    True splits at the cheapest, an int is L."""
+    x the longest sequence (its width's step, ``STEP``, or WY_STEP where it stores WY), else 0.
+    ``force``: False never splits, True splits at the cheapest, an int is L."""
     longest = max(seq_chunks, default=0)
     if force is False or longest == 0:
         return 0
@@ -1893,10 +1885,12 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     sms = autocp.num_sms(device)
     R = solve_heads(H, HV, chunks.shape[0], sms)
     BV = launch_width(cu_seqlens, B, T, HV, V, sms)
-    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
-    # gdn_fwd.s37: at BV 64, unsplit, after s06's solve, the solve stores WY = Gamma * Ab, and the
-    # fused kernel is gdn_fwd.s40's (the state in the chain's registers)
-    store_wy = BV == WY_BLOCK_V and p is None and R > SOLVE_TF32_MAX_HEADS
+    # gdn_fwd.s37: at BV 64, unsplit, after a solve of three or four heads a CTA, the solve stores
+    # WY = Gamma * Ab, and the fused kernel is gdn_fwd.s40's (the state in the chain's registers);
+    # AutoCP's rule weighs that launch at its own step (gdn_fwd.s44)
+    wy = BV == WY_BLOCK_V and R > SOLVE_TF32_MAX_HEADS
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, WY_STEP if wy else STEP[BV])
+    store_wy = wy and p is None
     if R <= SOLVE_TF32_MAX_HEADS:
         with nvtx_range("fwd.gate_free_solve_with_cumsum"):
             # g_cum, chunks, first_chunk, Ab, gated <- the chunk table, the chunk-local cumsum of g

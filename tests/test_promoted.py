@@ -1,7 +1,7 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
 API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s43) gives."""
+gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s44) gives."""
 
 import functools
 import sys
@@ -22,8 +22,8 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 32, 2)),
     (fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 16, 1)),
     (fwd.windows_kernel, ("gdn_fwd", 18), "windows_kernel", (32,)),
-    (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
-    (fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (2, 8)),
+    (fwd.warmup_kernel, ("gdn_fwd", 44), "warmup_kernel", (16, 32)),
+    (fwd.warmup_kernel, ("gdn_fwd", 44), "warmup_kernel", (2, 8)),
     (fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
     (fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (8,)),
     (fwd.fused_reform_kernel, ("gdn_fwd", 12), "fused_reform_kernel", (16, 32, 128, 128, 64)),
@@ -61,11 +61,11 @@ def test_solve_storing_wy_differs_only_in_its_store():
 
 
 def test_store_wy_is_the_stage_rule():
-    """The library stores WY in the solve (and runs gdn_fwd.s40's kernel) exactly where gdn_fwd.s37 does
-    (BV 64, unsplit, three or four heads a CTA), on the benchmark's 40 problems (132 SMs) and two more:
-    (16, 48) and (16, 64) from 1x2048 to 28672+4096, and (2, 8) 8x4096 (the other batches of 8 run at
-    BV 128)."""
-    s37 = load("gdn_fwd", 37)
+    """The library splits, and stores WY in the solve (running gdn_fwd.s40's kernel), exactly where
+    gdn_fwd.s44 does (WY: BV 64, unsplit, three or four heads a CTA; the rule weighing that launch at
+    WY_STEP), on the benchmark's 40 problems (132 SMs) and two more: WY on (16, 48) and (16, 64)
+    from 1x2048 to 28672+4096, and (2, 8) 8x4096 (the other batches of 8 run at BV 128)."""
+    s44 = load("gdn_fwd", 44)
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(autocp, "num_sms", lambda device: 132)
     from flashqla.bench import PROBLEMS, short_label
@@ -77,9 +77,12 @@ def test_store_wy_is_the_stage_rule():
             B, T, H = x["q"].shape[:3]
             chunks = sum(-(-n // 64) for n in p.lengths)
             BV = fwd.launch_width(x["cu_seqlens"], B, T, p.HV, 128, 132)
-            plan = fwd.split_plan(x["cu_seqlens"], B, T, p.HV, 132, "cpu", None, fwd.STEP[BV])
-            mine = BV == fwd.WY_BLOCK_V and plan is None and fwd.solve_heads(H, p.HV, chunks, 132) > fwd.SOLVE_TF32_MAX_HEADS
-            assert mine == s37.stores_wy(x["q"], x["v"], x["cu_seqlens"], None), p.label
+            wy = BV == fwd.WY_BLOCK_V and fwd.solve_heads(H, p.HV, chunks, 132) > fwd.SOLVE_TF32_MAX_HEADS
+            plan = fwd.split_plan(x["cu_seqlens"], B, T, p.HV, 132, "cpu", None, fwd.WY_STEP if wy else fwd.STEP[BV])
+            mine = wy and plan is None
+            BV44, plan44, stored44 = s44.launch(x["q"], x["v"], x["cu_seqlens"], None)
+            assert (BV, mine) == (BV44, stored44), p.label
+            assert (plan is None) == (plan44 is None) and (plan is None or plan.segment_chunks == plan44.segment_chunks)
             if mine and p in PROBLEMS:
                 stored.add(short_label(p.label))
     finally:
@@ -108,12 +111,11 @@ def test_solve_groups_value_heads_as_its_stage():
 
 # the kernel of gdn_fwd.s27 (s34's after its prologue, as programmatic dependents) that each forward
 # stage's builder is compiled as
-S27_KERNEL = {("gdn_fwd", 18): "windows", ("gdn_fwd", 23): "warmup",
-              ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow"}
+S27_KERNEL = {("gdn_fwd", 18): "windows", ("gdn_fwd", 24): "chain", ("gdn_fwd", 12): "fused_narrow"}
 
 
 def compile_as_s34(stage, shape):
-    """Compile a forward stage's builder as the library's forward (gdn_fwd.s43's) compiles it: the
+    """Compile a forward stage's builder as the library's forward (gdn_fwd.s44's) compiles it: the
     cumsum as s29, the solve as s42, the cumsum-and-solve kernel as s43 at gate_free_solve.s14's CTAs
     an SM, the wide fused kernel as s34, the kernel with the state in registers as s40, the rest as
     s27."""
@@ -128,6 +130,8 @@ def compile_as_s34(stage, shape):
         return s34._wide.__wrapped__(*shape)
     if stage == ("gdn_fwd", 40):
         return load("gdn_fwd", 40)._wide.__wrapped__(*shape)
+    if stage == ("gdn_fwd", 44):
+        return load("gdn_fwd", 44)._warmup.__wrapped__(*shape)
     return s34.S27._compiled.__wrapped__(S27_KERNEL[stage], *shape)
 
 
@@ -197,13 +201,16 @@ def test_block_v_is_the_stage_rule():
 
 
 def test_segment_chunks_is_the_stage_rule():
-    """AutoCP's split per launch is gdn_fwd.s26's rule (s25's), forced or decided."""
-    s26 = load("gdn_fwd", 26)
+    """AutoCP's split per launch is gdn_fwd.s44's rule (s25's form at s44's costs), forced or
+    decided, at the steps of every width and at WY_STEP."""
+    s44 = load("gdn_fwd", 44)
     cases = [([512], 8, 132, 0.85), ([512], 16, 132, 0.85), ([448, 64], 8, 132, 0.85), ([128], 8, 132, 0.85),
-             ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85)]
+             ([128], 32, 132, 0.85), ([64] * 8, 64, 132, 1.37), ([512], 32, 114, 1.0), ([3, 700, 1, 40], 4, 132, 0.85),
+             ([512], 48, 132, fwd.WY_STEP), ([448, 64], 64, 132, fwd.WY_STEP)]
+    assert fwd.WY_STEP == s44.WY_STEP
     for chunks, hv, sms, step in cases:
         for force in (None, False, True, 5):
-            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s26.segment_chunks(chunks, hv, sms, step, force)
+            assert fwd.segment_chunks(chunks, hv, sms, step, force) == s44.segment_chunks(chunks, hv, sms, step, force)
     assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
 
 
@@ -219,15 +226,15 @@ def test_a_changed_kernel_is_caught():
     (fwd, "GROWTH_LIMIT", 4.0, fwd.gate_free_solve_kernel, ("gate_free_solve", 15), "gate_free_solve_kernel", (16, 64, 4)),
     (fwd, "KKT_STRIDE", 64, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 32, 2)),
     (fwd, "CUMSUM_SEGMENTS", 4, fwd.gate_free_solve_with_cumsum_kernel, ("gate_free_solve", 16), "cumsum_solve_kernel", (16, 16, 1)),
-    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
-    (fwd, "REGS_WARMUP_STATE", 160, fwd.warmup_kernel, ("gdn_fwd", 23), "warmup_kernel", (16, 32)),
+    (fwd, "BLOCK", 32, fwd.warmup_kernel, ("gdn_fwd", 44), "warmup_kernel", (16, 32)),
+    (fwd, "REGS_WARMUP_CHAIN", 216, fwd.warmup_kernel, ("gdn_fwd", 44), "warmup_kernel", (16, 32)),
     (fwd, "CHAIN_COLUMNS", 16, fwd.chain_kernel, ("gdn_fwd", 24), "chain_kernel", (32,)),
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
 ], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.KKT_STRIDE",
         "fwd.CUMSUM_SEGMENTS", "fwd.BLOCK",
-        "fwd.REGS_WARMUP_STATE", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
+        "fwd.REGS_WARMUP_CHAIN", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
         "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
@@ -252,15 +259,15 @@ def test_kernel_path_only_where_the_kernels_apply(device, dtype, K, V, why, monk
 
 @pytest.fixture(scope="module")
 def compiled_forwards():
-    """The library's forward and gdn_fwd.s43's, compiled on threads for the heads of the GPU tests
+    """The library's forward and gdn_fwd.s44's, compiled on threads for the heads of the GPU tests
     below: unsplit at the fused kernels' widths (one sequence, nine) and split (windows, warm-up,
     chaining); the solve with one, two (short) and cta_heads (long) heads a CTA."""
-    s43 = load("gdn_fwd", 43)
+    s44 = load("gdn_fwd", 44)
     calls = []
     for H, HV in ((2, 8), (4, 16), (16, 64), (16, 32), (16, 16), (8, 24)):
         for lengths, cp in (((70,), False), ((70,) * 9, False), ((512,), 2), ((9000,), False)):
             x = Problem(H, HV, lengths).inputs("cuda")
-            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s43.forward)]
+            calls += [functools.partial(f, **x, cp=cp) for f in (fwd.forward, s44.forward)]
     run_on_threads(calls)
 
 
@@ -300,9 +307,9 @@ def test_forward_with_autocp_within_the_bound(problem, cp, compiled_forwards):
 ], ids=["varlen-off", "varlen-L4", "batch-L3", "wide", "mid", "solve-tf32", "solve-tf32-L3",
         "solve-spread", "solve-spread-varlen", "solve-one", "narrowest", "wy-stored", "wy-stored-varlen"])
 def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
-    """flashqla.fwd.forward runs gdn_fwd.s43's kernels in s43's order on the same inputs: the same
+    """flashqla.fwd.forward runs gdn_fwd.s44's kernels in s44's order on the same inputs: the same
     bits (the kernels are deterministic, tests/test_autocp.py)."""
     x = problem.inputs("cuda", seed=4)
-    want = load("gdn_fwd", 43).forward(**x, cp=cp)
+    want = load("gdn_fwd", 44).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

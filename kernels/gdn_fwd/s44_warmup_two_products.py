@@ -40,7 +40,7 @@ import torch
 from flashqla import autocp, stages
 from flashqla.hopper import compile_hopper, dependent_launch
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import num_chunk_rows, seq_bounds
+from flashqla.varlen import host_bounds, num_chunk_rows, seq_bounds
 
 NEEDS = ("hopper",)
 SOURCE_MUST_CONTAIN = ("cudaGridDependencySynchronize()", "wgmma", "tma_load", "gdn_autocp_warmup_two_products")
@@ -69,6 +69,14 @@ assert (REGS_CHAIN + REGS_X + REGS_PRODUCER) * WARPGROUP <= 65536
 
 NUM_STAGES = 2               # tile stages: the producer fills chunk c + 2 once chunk c is consumed
 NUM_HANDOFF = 2              # XA / XB slots: chunk c + 1's are built while the chain reads c's
+
+# the rule (s25's form, ``segment_chunks``), in chunk steps of phase 3 at BV 64
+S25 = stages.load("gdn_fwd", 25)          # the rule this stage refits
+WAVE_CHUNK_STEPS = 1.85      # per chunk of a segment and wave of phase 3 (phases 1 and 3; s25: 2.45)
+SEGMENT_STEPS = S25.SEGMENT_STEPS    # per segment of the longest sequence (phases 1 and 2)
+FIXED_STEPS = S25.FIXED_STEPS        # once (windows, phase 2's launch)
+WY_STEP = 0.75               # a chunk step of the unsplit launch where it runs s40's kernel after a
+                             # solve storing WY (BV 64, three or four heads a CTA; STEP[64] = 1.0 is s16's)
 
 
 def warmup_kernel(H: int, HV: int):
@@ -227,13 +235,61 @@ def kernel_source() -> str:
     return _warmup(**DEFAULT_SHAPE).get_kernel_source()
 
 
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, unsplit_step: float,
+                   force: bool | int | None = None) -> int:
+    """s25's rule at this stage's costs: the cheapest of LADDER's lengths (at most a third of the
+    longest sequence) and s18's L0, 2 L0 (where they leave two segments or more), each costing
+    WAVE_CHUNK_STEPS L waves + SEGMENT_STEPS J + FIXED_STEPS; automatic (``force`` None): that L
+    if cheaper than ``unsplit_step`` x the longest sequence, else 0. ``force``: False never
+    splits, True splits at the cheapest, an int is L."""
+    s18 = S25.PIPELINE.CHAIN.PIPELINE.PIPELINE
+    if force is not None and force is not True:
+        return s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, force)
+    L0 = s18.segment_chunks(seq_chunks, HV, num_sms, unsplit_step, True)
+    if not L0:
+        return 0
+    longest = max(seq_chunks)
+    lengths = ({L for L in S25.LADDER if 3 * L <= longest}
+               | {L for L in (L0, 2 * L0) if L and -(-longest // L) >= 2})
+    priced = []
+    for L in sorted(lengths):
+        segments = sum(-(-c // L) for c in seq_chunks)
+        waves = -(-2 * HV * segments // (S25.PHASE3_CTAS_PER_SM * num_sms))
+        priced.append((WAVE_CHUNK_STEPS * L * waves + SEGMENT_STEPS * -(-longest // L) + FIXED_STEPS, L))
+    if force is True:
+        return min(priced)[1] if priced else L0
+    return min(priced + [(unsplit_step * longest, 0)])[1]
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, unsplit_step: float):
+    """s26's ``split_plan`` with this stage's rule (None: no split)."""
+    if cp is None or cp is True:
+        bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+        seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                      else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+        cp = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp) or False
+    return S27.PIPELINE.PIPELINE.split_plan(cu_seqlens, B, T, HV, num_sms, device, cp, unsplit_step)
+
+
+def launch(q, v, cu_seqlens, cp):
+    """(BV, AutoCP's plan or None, whether the solve stores WY) for inputs q [B, T, H, K], v [B, T,
+    HV, V]: host integers only (the lengths the API read once). The unsplit launch at BV 64 after a
+    solve of three or four heads a CTA is s40's, with WY stored by the solve (s37's condition); the
+    rule weighs it at its own step, WY_STEP."""
+    B, T, H = q.shape[:3]
+    HV, V = v.shape[2], v.shape[3]
+    sms = autocp.num_sms(q.device)
+    BV = S27.S18.PIPELINE.launch_width(cu_seqlens, B, T, HV, V, sms, STEP)  # the width rule (s15, s17)
+    R = S42.S30.SOLVE.BY_FORWARD.heads_per_cta(H, HV, num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), sms)
+    wy = BV == S37.WY_BLOCK_V and R > S42.S30.SOLVE.BY_FORWARD.BY_HEADS.TENSOR_CORE_MAX_HEADS
+    p = split_plan(cu_seqlens, B, T, HV, sms, q.device, cp, WY_STEP if wy else STEP[BV])
+    return BV, p, wy and p is None
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
-    """s43's forward with this stage's phase 1 (``cp`` None decides, False never splits, True
-    splits at the rule's cheapest L, an int is the segment length in chunks)."""
-    store_wy = S37.stores_wy(q, v, cu_seqlens, cp)
-    prologue = S43.prologue(store_wy)
-    fused = S40._wide if store_wy else S34.fused
+    """s43's forward with this stage's phase 1 and rule (``cp`` None decides, False never splits,
+    True splits at the rule's cheapest L, an int is the segment length in chunks)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -256,11 +312,9 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     sms = autocp.num_sms(device)
+    BV, p, store_wy = launch(q.view(B, T, H, K), v.view(B, T, HV, V), cu_seqlens, cp)
     with nvtx_range("gdn_fwd.s44"):
-        prologue(H, HV, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated, sms)
-    widths = S27.S18.PIPELINE  # the width rule (s15, s17)
-    BV = widths.launch_width(cu_seqlens, B, T, HV, V, sms, STEP)
-    p = S27.PIPELINE.split_plan(cu_seqlens, B, T, HV, sms, device, cp, STEP[BV])
+        S43.prologue(store_wy)(H, HV, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated, sms)
     if p is not None:  # AutoCP: windows, phase 1 (Z, M: this stage's kernel), phase 2
         J = p.max_segments
         win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
@@ -273,11 +327,11 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
             _warmup(H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start, p.slot_chunk, exact, z, m)
             S27._compiled("chain", HV)(h0, z, m, exact, p.row_of_slot, h_seg)
         h0, seqs, first_chunk = h_seg, p.bounds, p.first_chunk
-        BV = widths.block_v([1] * (seqs.shape[0] - 1), HV, V, sms, STEP)
+        BV = S27.S18.PIPELINE.block_v([1] * (seqs.shape[0] - 1), HV, V, sms, STEP)
     ht = torch.empty(h0.shape, **fp32)
     with nvtx_range("gdn_fwd.s44"):
         # o, final states <- the fused chain and output over sequences (or segments)
-        fused(H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale, o, ht)
+        (S40._wide if store_wy else S34.fused)(H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale, o, ht)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)
