@@ -127,6 +127,29 @@ def test_rule_picks_a_fastest_measured_split(number, label):
     assert len(timed) > 1 and L in timed and timed[L] <= 1.03 * best, (L, timed)
 
 
+S44_CASES = sorted(split_sweep(44))
+
+
+@pytest.mark.parametrize("label", S44_CASES)
+def test_s44_rule_picks_a_fastest_measured_split(label, monkeypatch):
+    """gdn_fwd.s44's decision (``launch``: its rule at WAVE_CHUNK_STEPS 1.85, the WY launch weighed
+    at WY_STEP) picks, on every problem of its sweep (``profiles/split_lab.py --stage 44``, one
+    H100, 71f4b9e and fbf3c07), the fastest measured choice or one within 3 %: it splits (8, 32)
+    and (16, 32) 1x8192 at L 32 (0.83-0.86x the unsplit launch), and leaves (16, 48) and (16, 64)
+    1x32768 whole, where s40's launch after the WY solve beats every split (s25's costs with
+    STEP[64] would split them)."""
+    from flashqla.stages import load
+
+    s44 = load("gdn_fwd", 44)
+    monkeypatch.setattr(autocp, "num_sms", lambda device: 132)
+    H, HV, lengths = bench.heads_and_lengths(label)
+    x = Problem(H, HV, lengths).inputs("cpu", seed=0)
+    _, plan, _ = s44.launch(x["q"], x["v"], x["cu_seqlens"], None)
+    L = 0 if plan is None else plan.segment_chunks
+    timed = split_sweep(44)[label]
+    assert len(timed) > 1 and L in timed and timed[L] <= 1.03 * min(timed.values()), (L, timed)
+
+
 @pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 32])
 @pytest.mark.parametrize("seqs", [1, 2, 3])
 def test_auto_split_fills_at_most_one_wave(heads, seqs):
@@ -869,6 +892,19 @@ def test_rule_check_catches_a_wrong_rule(number, constant, value, monkeypatch):
     with pytest.raises(AssertionError):
         for label in split_sweep(SWEEP_OF[number]):
             test_rule_picks_a_fastest_measured_split(number, label)
+
+
+@pytest.mark.parametrize("constant, value", [("WAVE_CHUNK_STEPS", 2.45), ("WY_STEP", 1.0)])
+def test_s44_rule_check_catches_a_wrong_rule(constant, value, monkeypatch):
+    """The check above fails for s44's rule with s25's price of a chunk (no split of (8, 32) 1x8192:
+    0.294 ms against 0.246 at L 32) or with the WY launch at s16's step (L 64 on (16, 48) 1x32768:
+    1.19 ms against 1.04 unsplit)."""
+    from flashqla.stages import load
+
+    monkeypatch.setattr(load("gdn_fwd", 44), constant, value)
+    with pytest.raises(AssertionError):
+        for label in S44_CASES:
+            test_s44_rule_picks_a_fastest_measured_split(label, monkeypatch)
 
 
 @pytest.mark.gpu
