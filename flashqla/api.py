@@ -1,11 +1,11 @@
 """The public entry point: a drop-in for FLA's ``chunk_gated_delta_rule``.
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128, the forward runs the promoted
-TileLang kernels (``flashqla.fwd``, gdn_fwd.s43's: the chunk table, the chunk-local cumsum and the
+TileLang kernels (``flashqla.fwd``, gdn_fwd.s44's: the chunk table, the chunk-local cumsum and the
 gate-free solve (its block levels on mma.sync), in one kernel where a CTA solves one or two value
 heads, and the warp-specialized
 fused state chain + output kernel on the reformulated math, its width (16 to 128 value columns a
-CTA) from the sequence lengths, with AutoCP's windows, warm-up and
+CTA) from the sequence lengths, with AutoCP's windows, warm-up (two products a chunk) and
 chaining kernels; each launched as a programmatic dependent of the one before) and so does the backward
 (``flashqla.bwd``, promoted from ``kernels/gdn_bwd``): autograd saves only the inputs, the backward
 recomputes the forward's intermediates, and gradients reach every input, ``initial_state``
