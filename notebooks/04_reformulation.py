@@ -2516,7 +2516,7 @@ assert float(ncu_solve["s15"]["dram_pct"]) > float(ncu_solve["s06"]["dram_pct"])
 # library runs), the whole benchmark, peers in the same process (one H100, commit 1a05b0c):
 
 # %%
-rows_43 = [r for r in bench.read_csv(CSV_PATH) if r["commit"].startswith("1a05b0c")]
+rows_43 = [r for r in bench.read_csv(CSV_PATH) + bench.read_csv(EARLIER_RUNS) if r["commit"].startswith("1a05b0c")]
 api_43 = [r for r in rows_43 if r["impl"] == "flashqla.chunk_gated_delta_rule"]
 vs_fq, vs_fla = ([float(r[c]) for r in api_43] for c in ("vs_flashqla", "vs_fla"))
 geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
@@ -2610,4 +2610,5 @@ assert len(api_43) == 40 and sum(x >= 1 for x in vs_fq) == 39 and geo(vs_fq) > 1
 #   does the same in the cumsum-and-solve kernel: 0.77-0.92x s14's. The library (`gdn_fwd.s43`) is
 #   0.96-2.06x FlashQLA's speed on the 40 problems (geomean 1.22x, below it only on (8, 24)
 #   28672 + 4096) and 1.35-4.09x FLA's (geomean 2.50x); (16, 64) 1 x 32768 at 1.127 ms, 2.28x the
-#   floor (one H100, 1a05b0c).
+#   floor (one H100, 1a05b0c). With AutoCP's phase 1 on two products (`gdn_fwd.s44`, notebook 05)
+#   the library is at least FlashQLA's speed on all 40 (geomean 1.33x, fbf3c07).

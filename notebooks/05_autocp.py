@@ -956,3 +956,132 @@ assert t29["(2, 8) 1x2048"]["API"] < t27["(2, 8) 1x2048"]["API"]
 # short forward is two kernels: `gdn_fwd.s31`, `s32`) and the fused kernel at 16 value columns
 # where one wave holds it (`gdn_fwd.s33`, whose widths the library runs): (2, 8) 1 x 2048 at 1.15x
 # FlashQLA's speed (one H100, 6eedafa). AutoCP's plans and kernels are s29's there.
+
+# %% [markdown]
+# ## 18. Phase 1 on two products: `gdn_fwd.s44`
+#
+# After s23, phase 1 still takes about 3 us a chunk: on (8, 24) 28672 + 4096, 338 of the forward's
+# 854 us (one H100, 2066b86, `results/timeline_weak_rows.csv`), where FlashQLA's prepare_h and
+# correct_h0 take 249 + 36. Its chain is the fused kernel's: $U = KS$, $W = V - DU$,
+# $\tilde V = \mathrm{WY}\, W$, then $S \leftarrow e^{g_C} S + K^\top E \tilde V$ with
+# $E = \mathrm{diag}(e^{g_C - g})$: three products in a row on the state's path, and $S$ and
+# $V_d$ handed between two warpgroups through shared memory. Phase 1 has no output, so nothing
+# needs $\tilde V$ itself, and the gate-free solve gives $\mathrm{WY} = D\, A_b D^{-1}$
+# (notebook 04). Then
+#
+# $$K^\top E D A_b D^{-1} (V - D U) = K^\top A_b \left(E V - e^{g_C} U\right),$$
+#
+# so with $X = A_b^\top K$ (64 x 128, independent of $S$) the update is
+# $S \leftarrow e^{g_C} S + X^\top (E V - e^{g_C} K S)$: two dependent products a chunk, and
+# every factor an exponential of a non-positive number. FlashQLA's prepare_h uses the same algebra.
+# A chunk whose solve kept the gate (flagged: $A_b$ already holds $\Gamma$) takes
+# $X = (E A_b)^\top K$ and $S \leftarrow e^{g_C} S + X^\top (V - D U)$ instead. Both in float64:
+
+# %%
+torch.manual_seed(0)
+F64 = torch.float64
+Kc, Vc = 32, 16                                                # head dims of the check
+kc = torch.nn.functional.normalize(torch.randn(C, Kc, dtype=F64), dim=-1)
+vc, s0 = torch.randn(C, Vc, dtype=F64), torch.randn(Kc, Vc, dtype=F64)
+beta_c = torch.rand(C, dtype=F64)
+gam = torch.cumsum(-0.3 * torch.rand(C, dtype=F64), 0)         # chunk-local cumsum of g
+D, E = torch.diag(gam.exp()), torch.diag((gam[-1] - gam).exp())
+Gamma = torch.tril((gam[:, None] - gam[None, :]).exp())
+eye = torch.eye(C, dtype=F64)
+A_b = torch.linalg.inv(eye + torch.tril(beta_c[:, None] * kc @ kc.T, -1)) * beta_c   # gate-free A_b
+A_g = torch.linalg.inv(eye + torch.tril(beta_c[:, None] * kc @ kc.T * Gamma, -1)) * beta_c  # a flagged chunk's
+U = kc @ s0
+for name, wy, x, y in (("gate-free", Gamma * A_b, A_b.T @ kc, E @ vc - gam[-1].exp() * U),
+                       ("flagged", A_g, (E @ A_g).T @ kc, vc - D @ U)):
+    s_wy = gam[-1].exp() * s0 + kc.T @ E @ (wy @ (vc - D @ U))   # s23: U, W, V~ = WY W, Vd
+    s_x = gam[-1].exp() * s0 + x.T @ y                           # s44: X beside the chain
+    print(f"{name:9s}: |S_x - S_wy| / |S_wy| = {rel_l2(s_x, s_wy):.1e}")
+    assert rel_l2(s_x, s_wy) < 1e-12
+assert torch.allclose(Gamma * A_b, D @ A_b @ torch.linalg.inv(D))  # WY = D A_b D^-1: the gate-free solve
+
+# %% [markdown]
+# s44's kernel holds $S^\top$ (64 value columns x 128) in the chain warpgroup's registers, as
+# gdn_fwd.s40 does in the fused kernel, and adds both terms to it as wgmma products:
+# $U^\top = S^\top K^\top$ (left operand from registers) and $V^\top X_B$ issued together, then
+# $S^\top \mathrel{+}= (-U^\top) X_A$, with $X_A = e^{g_C} X$ and $X_B = E X$ (flagged:
+# $X_A = D X$, $X_B = X$). An x warpgroup builds $X = A_b^\top K$ a chunk ahead, and a producer
+# loads K, V and $A_b$ by TMA. No $S$ or $V_d$ crosses shared memory. $S^\top$ is scaled by
+# $e^{g_C}$ before the products are issued: an accumulator written while a wgmma batch runs makes
+# ptxas serialize the batch (its note C7515).
+
+# %%
+s44 = load("gdn_fwd", 44)
+src44 = inspect.getsource(s44.warmup_kernel)
+print(src44[src44.index("            if tx < CHAIN_END:"):src44.index("                # Z or M tile <- S")])
+print(src44[src44.index("            elif tx >= CHAIN_END and tx < X_END:"):src44.index("            elif tx >= X_END:")])
+cuda44 = s44._warmup(2, 8).get_kernel_source()
+assert "__launch_bounds__(384, 1)" in cuda44 and "wgmma_rs" in cuda44   # three roles; a register operand
+
+# %% [markdown]
+# Its GPU tests compare every slot's $Z$ and $M$ with the float64 recurrence over the same
+# windows: within 2x the error of s23's kernel, on plain inputs, on flagged chunks inside exact
+# windows and on inputs that break the bound's conditions (`tests/test_autocp.py`). The forward,
+# s43 and s44 at the same rule in one process (one H100, cd21a8d):
+
+# %%
+two = {}
+with open(RESULTS / "warmup_two_products.csv") as f:
+    for r in csv.DictReader(f):
+        two.setdefault(r["problem"], {})[r["impl"]] = float(r["ms"])
+print(f"{'problem':22s} {'s43':>8s} {'s44':>8s} {'s44/s43':>8s}")
+for label, t in two.items():
+    print(f"{bench.short_label(label):22s} {t['gdn_fwd.s43']:8.4f} {t['gdn_fwd.s44']:8.4f} "
+          f"{t['gdn_fwd.s44'] / t['gdn_fwd.s43']:8.2f}")
+    assert t["gdn_fwd.s44"] < 0.86 * t["gdn_fwd.s43"]
+
+# %% [markdown]
+# 0.78-0.85x on every split problem. A cheaper phase 1 moves the best split again, so s44 was
+# swept (`profiles/split_lab.py --stage 44`). With s25's form kept, a chunk of a segment now costs
+# 1.85 steps a wave instead of 2.45, which splits (8, 32) and (16, 32) 1 x 8192 at L = 32; and the
+# rule weighs the unsplit launch that stores WY (s40's kernel, BV 64 after a solve of three or four
+# heads a CTA) at its own step, 0.75, not s16's 1.0: at 1.0 the new price would split (16, 48)
+# and (16, 64) 1 x 32768, where the unsplit launch beats every L. The sweep against the rule's
+# choice (`s44.launch`, 132 SMs):
+
+# %%
+sweep44 = bench.split_sweep("gdn_fwd.s44")
+sms_query = autocp.num_sms
+autocp.num_sms = lambda device: 132                        # the H100's SMs, on any machine
+try:
+    print(f"{'problem':22s} {'rule':>6s} {'ms':>7s} {'fastest':>13s} {'unsplit':>8s} {'FlashQLA':>9s}")
+    for label, t in sweep44.items():
+        h, hv, lens = bench.heads_and_lengths(label)
+        x = Problem(h, hv, lens).inputs("cpu", seed=0)
+        _, plan44, _ = s44.launch(x["q"], x["v"], x["cu_seqlens"], None)
+        L = 0 if plan44 is None else plan44.segment_chunks
+        own = {int(k[1]): v for k, v in t.items() if k[0] == "gdn_fwd.s44" and k[1] != ""}
+        best = min(own, key=own.get)
+        print(f"{bench.short_label(label):22s} {L:6d} {own[L]:7.3f} {own[best]:7.3f} L{best:<4d} "
+              f"{own[0]:8.3f} {t['FlashQLA', '']:9.3f}")
+        assert own[L] <= 1.03 * own[best]
+finally:
+    autocp.num_sms = sms_query
+
+# %% [markdown]
+# The library runs s44 (bit for bit, `tests/test_promoted.py`). All 40 problems with the peers in
+# the same run (one H100, fbf3c07):
+
+# %%
+run44 = {}
+with open(RESULTS / "gdn_fwd.csv") as f:
+    for r in csv.DictReader(f):
+        if r["commit"] == "fbf3c07":
+            run44.setdefault(r["problem"], {})[r["impl"]] = float(r["ms"])
+api_rows = {label: t["flashqla.chunk_gated_delta_rule"] for label, t in run44.items()}
+vs_q = [run44[label]["FlashQLA"] / ms for label, ms in api_rows.items()]
+vs_f = [run44[label][bench.FLA_ROW] / ms for label, ms in api_rows.items()]
+geo = lambda v: math.exp(sum(map(math.log, v)) / len(v))
+print(f"{len(api_rows)} problems: {min(vs_q):.2f}-{max(vs_q):.2f}x FlashQLA (geomean {geo(vs_q):.2f}x, "
+      f"{sum(v >= 1 for v in vs_q)} at least its speed), {min(vs_f):.2f}-{max(vs_f):.2f}x FLA "
+      f"(geomean {geo(vs_f):.2f}x)")
+assert len(api_rows) == 40 and min(vs_q) >= 1.0
+
+# %% [markdown]
+# At least FlashQLA's speed on all 40 problems, geomean 1.33x; (8, 24) 28672 + 4096, the one
+# problem below it before, goes from 0.96x to 1.20x. Against FLA the geomean is 2.74x: the eight
+# 1 x 2048 problems, 32 chunks of one chain, stay at 1.4-2.8x (the README's gaps).

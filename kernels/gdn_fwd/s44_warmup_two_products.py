@@ -26,11 +26,48 @@ is exp of a non-positive exponent. The roles (``warmup_kernel``):
 
 M tiles (exact heads) run the same chain from I with V = 0 (no V^T XB product).
 
+Then the rule (``segment_chunks``, s25's form): with phase 1 cheaper a chunk of a split costs 1.85
+steps a wave (WAVE_CHUNK_STEPS; s25: 2.45), and the unsplit launch that stores WY (BV 64 after a
+solve of three or four heads a CTA: s40's kernel) is weighed at its own step, WY_STEP = 0.75, not
+s16's 1.0 (``launch``). Both from this stage's split sweep (``profiles/split_lab.py --stage 44``,
+``results/autocp_split.csv``, one H100, 71f4b9e and fbf3c07): 1.7-2.0 is where s25's rule with
+SEGMENT_STEPS and FIXED_STEPS kept picks within 3 % of the fastest on all six problems of the
+first call; the WY launch took 0.71-0.88 steps against the splits it beat ((16, 48) and (16, 64)
+1x32768 and 28672+4096), and below 0.8 none of them splits. On the benchmark's 40 problems the
+refit changes two choices: (8, 32) and (16, 32) 1x8192 split at L 32.
+
 Why: phase 1 is L chunks of one CTA's chain latency on every exact head's tile (s23: 3.0 us a
 chunk, 338 us of the forward's 854 on (8, 24) 28672+4096, one H100, 2066b86,
 ``results/timeline_weak_rows.csv``); FlashQLA's phase 1 there took 249 + 36 us.
 
-Taught in: notebooks/05_autocp.py (phase 1 on two products)
+Measured effect (one H100). The forward, s43 and this stage at s43's rule, ``bench.time_row`` in one
+process (commit cd21a8d, ``results/warmup_two_products.csv``), ms:
+
+    problem              s43      s44
+    (8, 24) 28672+4096  0.8245   0.6469
+    (8, 24) 1x32768     0.7776   0.6227
+    (16, 16) 1x32768    0.5726   0.4639
+    (2, 8) 1x32768      0.3171   0.2580
+    (4, 16) 1x32768     0.5233   0.4288
+    (8, 32) 1x32768     0.9534   0.7498
+    (16, 32) 28672+4096 1.0434   0.8521
+    (16, 16) 28672+4096 0.5721   0.4683
+    (2, 8) 1x8192       0.1468   0.1184
+    (4, 16) 28672+4096  0.5139   0.4135
+    (16, 16) 1x8192     0.2037   0.1736
+    (8, 24) 1x8192      0.2497   0.2060
+
+0.78-0.85x s43's time on every split problem. With the refitted rule, (8, 32) 1x8192 0.244 ms and
+(16, 32) 1x8192 0.254 against s43's unsplit 0.293 (fbf3c07). Promoted (fbf3c07): with the peers
+in the same run (``python -m flashqla bench``, all 40 problems, three calls on one H100) the API is
+1.05-2.06x FlashQLA's speed (geomean 1.33x, at least its speed on all 40; (8, 24) 28672+4096 0.667
+ms against 0.798), 1.39-4.21x FLA's (geomean 2.74x); (16, 64) 1x32768 (unsplit, unchanged) 1.126
+ms, 2.22x the floor. Its GPU tests passed: Z and M against float64 within TOLERANCE_FACTOR x s23's
+error, on plain, flagged (gated chunks in exact windows) and broken inputs (cd21a8d); AutoCP's CP
+on against off per head, determinism and graph replay (71f4b9e); the public shapes (fbf3c07);
+the library's forward bit for bit this stage's (test_promoted, fbf3c07).
+
+Taught in: notebooks/05_autocp.py (section 18, phase 1 on two products)
 """
 
 import functools
