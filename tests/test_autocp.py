@@ -641,18 +641,14 @@ def test_s18_windows_are_autocp_warmups(problem, L, inputs, threshold):
     assert want[1][p.slot_warm].any() and not want[1][p.slot_warm].all()  # both paths taken
 
 
-@pytest.mark.gpu
-@pytest.mark.hopper
-@pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
-@pytest.mark.parametrize("problem,L", GPU_CASES + [(Problem(2, 8, (9000,)), 100)],
-                         ids=lambda c: getattr(c, "label", str(c)))
-def test_s20_warmup_gives_s18s_z_and_m(problem, L, inputs):
-    """gdn_fwd.s20's warm-up kernel (warp roles) gives every slot's Z and M bit for bit as s18's
-    (one warpgroup) does: the same operations on the same operands, in the same order, over
-    windows of every kind (short, exact, none; flagged chunks; broken bound conditions)."""
+def phase1_inputs(problem, L, inputs):
+    """Phase 1's operands for ``problem`` split at L (s18's plan, windows and solve; ``inputs``:
+    plain, flagged or broken) -> (the inputs, the plan, the exact flags, run), where
+    ``run(compiled)`` builds a warm-up kernel with ``compiled(H, HV)`` and returns its (Z, M),
+    both NaN before it runs."""
     from flashqla.stages import load
 
-    s18, s20 = load("gdn_fwd", 18), load("gdn_fwd", 20)
+    s18 = load("gdn_fwd", 18)
     x = problem.inputs("cuda", seed=4)
     x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
     B, T, H, K = x["k"].shape
@@ -665,13 +661,29 @@ def test_s20_warmup_gives_s18s_z_and_m(problem, L, inputs):
     win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated)
     args = (x["k"].view(B * T, H, K), x["v"].view(B * T, HV, K), ab.view(B * T, HV, C), g_cum.view(B * T, HV),
             gated, win_start, p.slot_start, p.slot_chunk, exact)
-    outs = []
-    for mod in (s18, s20):
+
+    def run(compiled):
         z = torch.full((win_start.shape[0], HV, K, K), float("nan"), device="cuda")
         m = torch.full_like(z, float("nan"))
-        mod._compiled(H, HV)(*args, z, m)
-        outs.append((z, m))
-    (z18, m18), (z20, m20) = outs
+        compiled(H, HV)(*args, z, m)
+        return z, m
+    return {**x, "g": g, "beta": beta, "gated": gated, "win_start": win_start}, p, exact, run
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
+@pytest.mark.parametrize("problem,L", GPU_CASES + [(Problem(2, 8, (9000,)), 100)],
+                         ids=lambda c: getattr(c, "label", str(c)))
+def test_s20_warmup_gives_s18s_z_and_m(problem, L, inputs):
+    """gdn_fwd.s20's warm-up kernel (warp roles) gives every slot's Z and M bit for bit as s18's
+    (one warpgroup) does: the same operations on the same operands, in the same order, over
+    windows of every kind (short, exact, none; flagged chunks; broken bound conditions)."""
+    from flashqla.stages import load
+
+    s18, s20 = load("gdn_fwd", 18), load("gdn_fwd", 20)
+    x, p, exact, run = phase1_inputs(problem, L, inputs)
+    (z18, m18), (z20, m20) = run(s18._compiled), run(s20._compiled)
     assert torch.equal(z20, z18), "Z differs"
     assert torch.equal(m20, m18), "M differs"
     assert exact[p.slot_warm].any() and z18.abs().sum() > 0 and m18.abs().sum() > 0  # both paths taken
@@ -690,26 +702,9 @@ def test_s23_warmup_gives_s20s_z_and_m(problem, L, inputs):
     (The forward's error head by head against float64 is ``test_cp_on_matches_cp_off``.)"""
     from flashqla.stages import load
 
-    s18, s20, s23 = load("gdn_fwd", 18), load("gdn_fwd", 20), load("gdn_fwd", 23)
-    x = problem.inputs("cuda", seed=4)
-    x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
-    B, T, H, K = x["k"].shape
-    HV = x["g"].shape[2]
-    cu = x["cu_seqlens"]
-    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
-    g_cum = load("chunk_local_cumsum", 1).run(g, cu, C).contiguous()
-    ab, gated = load(*s18.SOLVE).solve(x["k"], beta, g_cum, cu)
-    p = s18.split_plan(cu, B, T, HV, 132, x["q"].device, L, 1.0)
-    win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated)
-    args = (x["k"].view(B * T, H, K), x["v"].view(B * T, HV, K), ab.view(B * T, HV, C), g_cum.view(B * T, HV),
-            gated, win_start, p.slot_start, p.slot_chunk, exact)
-    outs = []
-    for mod in (s20, s23):
-        z = torch.full((win_start.shape[0], HV, K, K), float("nan"), device="cuda")
-        m = torch.full_like(z, float("nan"))
-        mod._compiled(H, HV)(*args, z, m)
-        outs.append((z, m))
-    (z20, m20), (z23, m23) = outs
+    s20, s23 = load("gdn_fwd", 20), load("gdn_fwd", 23)
+    x, p, exact, run = phase1_inputs(problem, L, inputs)
+    (z20, m20), (z23, m23) = run(s20._compiled), run(s23._compiled)
     assert not (z23.isnan().any() or m23.isnan().any()), "a tile was not written"
     assert rel_l2(z23, z20) <= 2 ** -9 and rel_l2(m23, m20) <= 2 ** -9, (rel_l2(z23, z20), rel_l2(m23, m20))
     assert exact[p.slot_warm].any() and z20.abs().sum() > 0 and m20.abs().sum() > 0  # both paths taken
@@ -756,35 +751,18 @@ def test_s44_warmup_is_as_close_to_float64_as_s23s(problem, L, inputs):
     windows; a wrong factor on them, or a dropped V^T XB, is off by O(1)."""
     from flashqla.stages import load
 
-    s18, s23, s44 = load("gdn_fwd", 18), load("gdn_fwd", 23), load("gdn_fwd", 44)
-    x = problem.inputs("cuda", seed=4)
-    x = {"plain": x, "flagged": flag_every_third_chunk(x), "broken": break_the_bound(x)}[inputs]
-    B, T, H, K = x["k"].shape
-    HV = x["g"].shape[2]
-    cu = x["cu_seqlens"]
-    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
-    g_cum = load("chunk_local_cumsum", 1).run(g, cu, C).contiguous()
-    ab, gated = load(*s18.SOLVE).solve(x["k"], beta, g_cum, cu)
-    p = s18.split_plan(cu, B, T, HV, 132, x["q"].device, L, 1.0)
-    win_start, exact = s18.windows(p, g.view(B * T, HV), g_cum.view(B * T, HV), beta.view(B * T, HV), gated)
-    args = (x["k"].view(B * T, H, K), x["v"].view(B * T, HV, K), ab.view(B * T, HV, C), g_cum.view(B * T, HV),
-            gated, win_start, p.slot_start, p.slot_chunk, exact)
-    outs = []
-    for kernel in (s23._compiled(H, HV), s44._warmup(H, HV)):
-        z = torch.full((win_start.shape[0], HV, K, K), float("nan"), device="cuda")
-        m = torch.full_like(z, float("nan"))
-        kernel(*args, z, m)
-        outs.append((z, m))
-    (z23, m23), (z44, m44) = outs
+    s23, s44 = load("gdn_fwd", 23), load("gdn_fwd", 44)
+    x, p, exact, run = phase1_inputs(problem, L, inputs)
+    (z23, m23), (z44, m44) = run(s23._compiled), run(s44._warmup)
     assert not (z44.isnan().any() or m44.isnan().any()), "a tile was not written"
-    z64, m64 = windows_in_float64({**x, "g": g, "beta": beta}, win_start, p.slot_start, exact)
+    z64, m64 = windows_in_float64(x, x["win_start"], p.slot_start, exact)
     for name, got, base, want in (("Z", z44, z23, z64), ("M", m44, m23, m64)):
         err, err23 = rel_l2(got.double(), want), rel_l2(base.double(), want)
         assert err <= TOLERANCE_FACTOR * max(err23, ROUNDING_FLOOR), (name, err, err23)
     assert exact[p.slot_warm].any() and z64.abs().sum() > 0 and m64.abs().sum() > 0  # both paths taken
     if inputs == "flagged":  # a gated chunk inside an exact window
         rows = torch.cat([torch.arange(int(c) - L, int(c)) for c, w in zip(p.slot_chunk.tolist(), p.slot_warm.tolist()) if w])
-        assert (gated[rows.to(gated.device)] != 0).any()
+        assert (x["gated"][rows.to(x["gated"].device)] != 0).any()
 
 
 @pytest.mark.gpu
