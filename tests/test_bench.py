@@ -1,5 +1,6 @@
 """The benchmark's napkin math and its committed results: the README table is the CSV's."""
 
+import math
 import sys
 
 import pytest
@@ -369,3 +370,32 @@ def test_solve_kernels_hold_what_the_stages_quote():
     assert (round(min(ratio["s15"]), 2), round(max(ratio["s15"]), 2)) == (0.68, 0.81)
     assert (round(min(ratio["s16"]), 2), round(max(ratio["s16"]), 2)) == (0.77, 0.92)
     assert len(rows) == 13 and {r["commit"] for r in rows} == {"69c6bf5"}
+
+
+def test_warmup_two_products_holds_what_s44_quotes():
+    """``results/warmup_two_products.csv`` holds gdn_fwd.s44's table (s43 and s44 at the same rule,
+    one process, cd21a8d): each split problem 0.78-0.85x s43's time; and the run at fbf3c07 holds
+    what s44's docstring and the README quote: at least FlashQLA's speed on all 40 problems,
+    1.05-2.06x (geomean 1.33x), 1.39-4.21x FLA's (geomean 2.74x), (16, 64) 1x32768 at 2.22x the
+    floor."""
+    from flashqla.stages import load
+
+    two = {}
+    for r in bench.read_csv(bench.RESULTS / "warmup_two_products.csv"):
+        two.setdefault(r["problem"], {})[r["impl"]] = float(r["ms"])
+    ratios = [t["gdn_fwd.s44"] / t["gdn_fwd.s43"] for t in two.values()]
+    assert len(two) == 12 and (round(min(ratios), 2), round(max(ratios), 2)) == (0.78, 0.85)
+    doc = load("gdn_fwd", 44).__doc__
+    for label, t in two.items():
+        assert f"{bench.short_label(label):20s}{t['gdn_fwd.s43']:6.4f}   {t['gdn_fwd.s44']:6.4f}" in doc, label
+    run = {}
+    for r in bench.read_csv(bench.RESULTS / "gdn_fwd.csv"):
+        if r["commit"] == "fbf3c07":
+            run.setdefault(r["problem"], {})[r["impl"]] = r
+    vs_q = [float(t[bench.FLASHQLA_ROW]["ms"]) / float(t[bench.API_ROW]["ms"]) for t in run.values()]
+    vs_f = [float(t[bench.FLA_ROW]["ms"]) / float(t[bench.API_ROW]["ms"]) for t in run.values()]
+    geo = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    assert len(run) == 40 and min(vs_q) >= 1.0
+    assert [round(x, 2) for x in (min(vs_q), max(vs_q), geo(vs_q))] == [1.05, 2.06, 1.33]
+    assert [round(x, 2) for x in (min(vs_f), max(vs_f), geo(vs_f))] == [1.39, 4.21, 2.74]
+    assert run["(16, 64) 1x32768"][bench.API_ROW]["x_floor"] == "2.22"

@@ -1,8 +1,8 @@
 """gdn_fwd, stage 44: s43 with AutoCP's phase 1 (the warm-up kernel) on two dependent products a
 chunk, the state transposed in the chain's registers, and X = Ab^T K built beside it.
 
-What changed from s43: the warm-up kernel (``warmup_kernel``); the rule, the windows, phase 2 and
-phase 3 are s43's. s23's kernel walks each window as the fused kernel's chain does,
+What changed from s43: the warm-up kernel (``warmup_kernel``) and the rule's costs (below); the
+windows, phase 2 and phase 3 are s43's. s23's kernel walks each window as the fused kernel's chain does,
 
     U = K S,  W = V - diag(exp g) U,  V~ = WY W,  S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
 
