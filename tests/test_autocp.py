@@ -738,6 +738,45 @@ def windows_in_float64(x, win_start, slot_start, exact):
     return z, m
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_two_products_match_the_float64_windows_and_the_check_catches_a_wrong_factor(broken):
+    """s44's algebra, S <- exp(g_C) S + X^T (E V - exp(g_C) K S) with X = Ab^T K chunk by chunk
+    (``reference.gate_free_solve``'s Ab), in float64 on the CPU, gives ``windows_in_float64``'s Z
+    and M (the token recurrence) to 1e-10; with XB's row factor E dropped (X^T (V - ...)) it misses
+    them by more than the GPU test's bound allows (TOLERANCE_FACTOR x ROUNDING_FLOOR), so that test
+    can fail for that bug."""
+    problem, L = Problem(2, 4, (700, 1400), K=16, V=16), 4
+    x = cast_floats(problem.inputs(), F64)
+    B, T, H, K = x["k"].shape
+    HV = problem.HV
+    p = autocp.plan(x["cu_seqlens"], B, T, HV, 132, 2, CPU, force=L)
+    g_cum = ref.chunk_local_cumsum(x["g"], x["cu_seqlens"]).view(B * T, HV)
+    win_start, exact, _ = autocp.warmup(p, g_cum, autocp.bound_violations(x["k"], x["g"], x["beta"]))
+    z64, m64 = windows_in_float64(x, win_start, p.slot_start, exact)
+    k = ref.expand_heads(x["k"], HV).view(B * T, HV, K)
+    v = x["v"].view(B * T, HV, -1)
+    ab = ref.gate_free_solve(x["k"], x["beta"], x["cu_seqlens"]).view(B * T, HV, C)
+    z, m = torch.zeros_like(z64), torch.zeros_like(m64)
+    for slot in range(win_start.shape[0]):
+        end = int(p.slot_start[slot])
+        for h in range(HV):
+            states = [(z, torch.zeros(K, K, dtype=F64))] + ([(m, torch.eye(K, dtype=F64))] if exact[slot, h] else [])
+            for out, S in states:
+                for t0 in range(int(win_start[slot, h]), end, C):      # whole chunks
+                    kc, gam = k[t0:t0 + C, h], g_cum[t0:t0 + C, h]
+                    vc = v[t0:t0 + C, h] if out is z else torch.zeros(C, K, dtype=F64)
+                    X = ab[t0:t0 + C, h].T @ kc                        # Ab^T K
+                    e = torch.ones(C, dtype=F64) if broken else (gam[-1] - gam).exp()
+                    S = gam[-1].exp() * S + X.T @ (e[:, None] * vc - gam[-1].exp() * (kc @ S))
+                out[slot, h] = S
+    assert exact[p.slot_warm].any() and not exact[p.slot_warm].all()  # exact and warm-up windows
+    err = max(rel_l2(z, z64), rel_l2(m, m64))
+    if broken:
+        assert rel_l2(z, z64) > TOLERANCE_FACTOR * ROUNDING_FLOOR, rel_l2(z, z64)
+    else:
+        assert err < 1e-10, err
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("inputs", ["plain", "flagged", "broken"])
