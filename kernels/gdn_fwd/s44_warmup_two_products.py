@@ -155,7 +155,7 @@ def warmup_kernel(H: int, HV: int):
             win_chunks = (eos - bos) // C
             row0 = slot_chunk[i_s] - win_chunks                # chunk row of the window's first chunk
 
-            # tile stages (producer -> chain, x); g holds log2(e) g_cum
+            # tile stages (producer -> chain, x); the gates as exp(g) and exp(g_C - g)
             k_s = T.alloc_shared((NUM_STAGES, C, K), "bfloat16")      # chain, x
             v_s = T.alloc_shared((NUM_STAGES, C, BV), "bfloat16")     # chain
             ab_s = T.alloc_shared((NUM_STAGES, C, C), "bfloat16")     # x (a gated chunk's scaled in place)
