@@ -57,7 +57,11 @@ sit on it; the second panel places every kernel by DRAM bytes and time alone (GB
 copy roof). The roofs are those of the first CSV. Committed in ``profiles/results/``:
 ``ncu_gdn_fwd_s00.csv``, ``ncu_chunk_kkt_s01.csv`` and their ``ncu_roofline.png``; also the fused
 kernels of s03, s05, s07 and s12 (``ncu_gdn_fwd_sNN.csv``), the three gate-free solves
-(``ncu_gate_free_solve_sNN.csv``) and FlashQLA's forward (``ncu_flashqla.csv``).
+(``ncu_gate_free_solve_sNN.csv``), FlashQLA's forward (``ncu_flashqla.csv``) and, in
+``ncu_targets.csv``, six runs of the one H100 call (ae1f15b) concatenated: the library's forward
+(gdn_fwd.s44) and FlashQLA's on (16, 64) 1x32768 and on (2, 8) 1x2048, FLA's (gdn_fwd.s00) on
+(2, 8) 1x2048, and gdn_fwd.s44 on (8, 24) 1x2048. These are the problems of issue 4's two missed
+targets (notebook 05, section 19).
 """
 
 import argparse

@@ -399,3 +399,30 @@ def test_warmup_two_products_holds_what_s44_quotes():
     assert [round(x, 2) for x in (min(vs_q), max(vs_q), geo(vs_q))] == [1.05, 2.06, 1.33]
     assert [round(x, 2) for x in (min(vs_f), max(vs_f), geo(vs_f))] == [1.39, 4.21, 2.74]
     assert run["(16, 64) 1x32768"][bench.API_ROW]["x_floor"] == "2.22"
+
+
+def test_ncu_targets_hold_what_the_readme_and_notebook_05_quote():
+    """``results/ncu_targets.csv`` (one H100, ae1f15b) holds the numbers that the README's targets
+    paragraph and notebook 05's section 19 quote:
+    - on (16, 64) 1x32768, the fused kernel's 378 GFLOP equal the benchmark's useful FLOPs, at 60 %
+      of the run's GEMM roof, and the solve's 309 us for 423 MB;
+    - on (2, 8) 1x2048, the three forwards' kernel sums, 68.6, 78.0 and 100.6 us."""
+    from flashqla.testing import Problem
+
+    rows = bench.read_csv(bench.RESULTS / "ncu_targets.csv")
+    assert {r["commit"] for r in rows} == {"ae1f15b"} and {r["gpu"] for r in rows} == {"NVIDIA H100 80GB HBM3"}
+    long = Problem(16, 64, (32768,))
+    fused, = (r for r in rows if r["stage"] == "gdn_fwd.s44" and r["problem"] == long.label and "fused" in r["kernel"])
+    solve, = (r for r in rows if r["stage"] == "gdn_fwd.s44" and r["problem"] == long.label and "solve" in r["kernel"])
+    assert abs(float(fused["gflop"]) * 1e9 / bench.useful_flops(long) - 1) < 0.01
+    assert round(float(fused["tflops"]) / float(fused["bf16_roof_tflops"]), 2) == 0.60
+    assert (fused["us"], solve["us"], solve["dram_mb"], solve["dram_pct"]) == ("800.7", "309.15", "423.41", "40.9")
+    sums = {}
+    for r in rows:
+        if r["problem"] == "(2, 8) 1x2048":
+            sums[r["stage"]] = sums.get(r["stage"], 0) + float(r["us"])
+    assert {k: round(v, 1) for k, v in sums.items()} == {"gdn_fwd.s44": 68.6, "FlashQLA": 78.0, "gdn_fwd.s00": 100.6}
+    readme = bench.README.read_text()
+    for quoted in ("378 GFLOP", "60 % of that roof (801 us)", "309 us\n  for 423 MB (40.9 % of peak DRAM",
+                   "Ours takes 68.6 us under ncu, FlashQLA's 78.0, and FLA's seven kernels 100.6"):
+        assert quoted in readme, quoted
