@@ -452,10 +452,10 @@ GPU_HEADS = ((2, 8), (4, 16), (16, 16))
 
 
 @pytest.fixture(scope="module", params=[6, 8, 11, 13, 15, 17, 18, 20, 21, 22, 23, 24, 26, 27, 28, 29, 30, 31, 32, 33,
-                                        34, 35, 36, 37, 38, 39, 40, 41, 44],
+                                        34, 35, 36, 37, 38, 39, 40, 41, 44, 45],
                 ids=["s06", "s08", "s11", "s13", "s15", "s17", "s18", "s20", "s21", "s22", "s23", "s24", "s26",
                      "s27", "s28", "s29", "s30", "s31", "s32", "s33", "s34", "s35", "s36", "s37", "s38", "s39", "s40",
-                     "s41", "s44"])
+                     "s41", "s44", "s45"])
 def stage(request):
     """The stage (s06; s08 on s07's kernel, s11 on s10's, s13 on s12's, s15 on s12's and s14's, s17
     on s12's and s16's, s18 s17's with its own phase 1, s20 s18's with phase 1 on warp roles, s21
@@ -468,7 +468,7 @@ def stage(request):
     kernel's output overlapped, s35 s34's with WY built by the value warpgroup, s36 s34's with WY stored by the solve, s37 s36's at BV 64 only, s38 s37's with the chain
     running ahead of the output, s39 s37's with the state in registers,
     s40 s39's with stmatrix hand-offs, s41 s40's with -WY D K from the scores, s44 s43's with
-    phase 1 on two products), with its kernels (and those of the chain it runs) compiled on threads first."""
+    phase 1 on two products, s45 s44's with the narrow chain on w and u), with its kernels (and those of the chain it runs) compiled on threads first."""
     from flashqla.stages import load
     from flashqla.testing import PUBLIC_HEADS
 

@@ -153,11 +153,12 @@ def test_flagged_partial_chunk_with_strong_decay(solve_stage, forward_stage):
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-@pytest.mark.parametrize("number", [9, 11], ids=["s09", "s11"])
+@pytest.mark.parametrize("number", [9, 11, 45], ids=["s09", "s11", "s45"])
 def test_stage_on_adversarial_inputs(number, kind):
     """gdn_fwd.s09 forms w = (Gamma * Ab) diag(exp g) K on chip, for flagged chunks from Ab as
     stored (its columns scaled): the unnormalized keys are where that path runs. gdn_fwd.s11 reads
-    gate_free_solve.s02's blocked inverse, whose flagged heads solve K K^T * Gamma."""
+    gate_free_solve.s02's blocked inverse, whose flagged heads solve K K^T * Gamma. gdn_fwd.s45's
+    narrow kernel forms w = (WY D) K the same way, a chunk ahead of its chain."""
     inputs = adversarial_inputs(kind, seed=zlib.crc32(kind.encode()))
     check_op("gdn_fwd", stages.load("gdn_fwd", number).run, inputs)
 
