@@ -71,8 +71,8 @@ REGS_OUTPUT = 184            # w (64 fp32 a thread), u (16), O (16)
 REGS_PRODUCER = 24           # addresses
 assert (REGS_CHAIN + REGS_SCORES + REGS_OUTPUT + REGS_PRODUCER) * WARPGROUP <= 65536
 
-NUM_STAGES = 2               # tile stages: the producer fills chunk c + 2 once chunk c is consumed
-NUM_HANDOFF = 2              # slots for S_c, V~_c, WY_c, P_c, w_c and u_c by chunk parity
+NUM_STAGES = 3               # tile stages: the producer fills chunk c + 3 once chunk c is consumed
+NUM_HANDOFF = 2              # slots for S_c, V~_c, WY_c and P_c by chunk parity (w_c, u_c: one)
 chunk_parts = S12.chunk_parts  # the chain's and output's loop: pairs of chunks, then an odd last one
 
 
@@ -90,6 +90,24 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
     num_seqs = T.dynamic("num_seqs")
     num_bounds = T.dynamic("num_bounds")
     num_chunks = T.dynamic("num_chunks")
+
+    @T.macro
+    def build_w_u(c, bar_tiles_full, bar_wy_ready, bar_wy_free, bar_w_ready, bar_w_free,
+                  wy_s, eg_s, k_s, v_s, wyd_a, w_f, u_f, w_s, u_s):
+        # the output warpgroup's w_c <- (WY D) K (WY's columns scaled by exp(g_j) in registers) and
+        # u_c <- WY V, into the one buffer once the chain's first product of chunk c - 1 has read it
+        T.barrier_wait(bar_tiles_full[c % NUM_STAGES], (c // NUM_STAGES) % 2)
+        T.barrier_wait(bar_wy_ready[c % NUM_HANDOFF], (c // NUM_HANDOFF) % 2)
+        for i, j in T.Parallel(C, C):
+            wyd_a[i, j] = wy_s[c % NUM_HANDOFF, i, j] * eg_s[c % NUM_STAGES, j]
+        T.gemm(wyd_a, k_s[c % NUM_STAGES, :, :], w_f, clear_accum=True)
+        T.gemm(wy_s[c % NUM_HANDOFF, :, :], v_s[c % NUM_STAGES, :, :], u_f, clear_accum=True)
+        T.barrier_arrive(bar_wy_free[c % NUM_HANDOFF])
+        T.barrier_wait(bar_w_free[0], (c % 2) ^ 1)
+        T.copy(w_f, w_s)
+        T.copy(u_f, u_s)
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_w_ready[0])
 
     @T.prim_func
     def gdn_fused_chain_on_w(
@@ -123,18 +141,15 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
             eg_s = T.alloc_shared((NUM_STAGES, C), "float32")         # chain, scores: exp(g)
             egd_s = T.alloc_shared((NUM_STAGES, C), "float32")        # chain: exp(g_C - g)
             # hand-off slots, one buffer per slot (a store into a whole buffer lowers to stmatrix):
-            # S_c (bf16) and V~_c from the chain; w_c and u_c from the output; WY_c, WY_c D and
-            # P_c from the scores
+            # S_c (bf16) and V~_c from the chain; WY_c and P_c from the scores. w_c and u_c from
+            # the output: one buffer, rewritten once the chain's first product has read it
             h_s0 = T.alloc_shared((K, BV), "bfloat16")
             h_s1 = T.alloc_shared((K, BV), "bfloat16")
             vn_s0 = T.alloc_shared((C, BV), "bfloat16")
             vn_s1 = T.alloc_shared((C, BV), "bfloat16")
-            w_s0 = T.alloc_shared((C, K), "bfloat16")
-            w_s1 = T.alloc_shared((C, K), "bfloat16")
-            u_s0 = T.alloc_shared((C, BV), "float32")
-            u_s1 = T.alloc_shared((C, BV), "float32")
+            w_s = T.alloc_shared((C, K), "bfloat16")
+            u_s = T.alloc_shared((C, BV), "float32")
             wy_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
-            wyd_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
             p_s = T.alloc_shared((NUM_HANDOFF, C, C), "bfloat16")
             # chain only: diag(exp(g_C - g)) V~, the B operand of K^T Vd
             vd_s = T.alloc_shared((C, BV), "bfloat16")
@@ -144,6 +159,7 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
             vn_f = T.alloc_fragment((C, BV), "float32")
             gam_f = T.alloc_fragment((C, C), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
+            wyd_a = T.alloc_fragment((C, C), "bfloat16")           # WY D, the left operand of w
             w_f = T.alloc_fragment((C, K), "float32")
             u_f = T.alloc_fragment((C, BV), "float32")
             o_f = T.alloc_fragment((C, BV), "float32")
@@ -154,10 +170,10 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
             # ---- barriers; arrive counts: every thread of each arriving role arrives once
             bar_tiles_full = T.alloc_barrier([WARPGROUP] * NUM_STAGES)      # producer -> all
             bar_tiles_empty = T.alloc_barrier([3 * WARPGROUP] * NUM_STAGES)  # all -> producer
-            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)       # scores -> output: WY, WY D
+            bar_wy_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)       # scores -> output: WY
             bar_wy_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # output -> scores
-            bar_w_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)        # output -> chain: w, u
-            bar_w_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)         # chain -> output
+            bar_w_ready = T.alloc_barrier([WARPGROUP])                      # output -> chain: w, u
+            bar_w_free = T.alloc_barrier([WARPGROUP])                       # chain -> output
             bar_state_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)    # chain -> output: S_c, V~_c
             bar_state_free = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)     # output -> chain
             bar_scores_ready = T.alloc_barrier([WARPGROUP] * NUM_HANDOFF)   # scores -> output: P
@@ -171,32 +187,32 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
                 for c0, reps, slots, present in chunk_parts(num_seq_chunks):
                     if present:  # the odd last chunk under an `if` (s12's chunk_parts says why)
                         for r in T.serial(reps):
-                            for b, h_sb, vn_sb, w_sb, u_sb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1),
-                                                                  (w_s0, w_s1), (u_s0, u_s1)):
+                            for b, h_sb, vn_sb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1)):
                                 c = c0 + 2 * r + b
+                                s = c % NUM_STAGES
                                 phase = (c // NUM_HANDOFF) % 2
-                                T.barrier_wait(bar_tiles_full[b], phase)
+                                T.barrier_wait(bar_tiles_full[s], (c // NUM_STAGES) % 2)
                                 T.barrier_wait(bar_state_free[b], phase ^ 1)
                                 # S_c (fp32 registers) -> bf16 in slot b: the operand of w S_c here
                                 # and of Q S_c in the output warpgroup
                                 T.copy(h_f, h_sb)
                                 # w S_c, w from the output warpgroup, issued without waiting, while
                                 # S <- exp(g_C) S (registers w S_c does not read)
-                                T.barrier_wait(bar_w_ready[b], phase)
-                                T.wgmma_gemm(w_sb, h_sb, x_f, clear_accum=True)
+                                T.barrier_wait(bar_w_ready[0], c % 2)
+                                T.wgmma_gemm(w_s, h_sb, x_f, clear_accum=True)
                                 for i, j in T.Parallel(K, BV):
-                                    h_f[i, j] = h_f[i, j] * eg_s[b, C - 1]
+                                    h_f[i, j] = h_f[i, j] * eg_s[s, C - 1]
                                 T.wait_wgmma(0)
                                 # V~ <- u - w S_c (rows >= n: u and w are 0 there, WY's rows are)
                                 for i, j in T.Parallel(C, BV):
-                                    vn_f[i, j] = u_sb[i, j] - x_f[i, j]
-                                T.barrier_arrive(bar_w_free[b])
+                                    vn_f[i, j] = u_s[i, j] - x_f[i, j]
+                                T.barrier_arrive(bar_w_free[0])
                                 # Vd <- diag(exp(g_C - g)) V~, the decayed copy the update reads
                                 for i, j in T.Parallel(C, BV):
-                                    x_f[i, j] = vn_f[i, j] * egd_s[b, i]
+                                    x_f[i, j] = vn_f[i, j] * egd_s[s, i]
                                 T.copy(x_f, vd_s)
                                 # S <- S + K^T Vd (S already decayed), issued without waiting ...
-                                T.wgmma_gemm(k_s[b, :, :], vd_s, h_f, transpose_A=True)
+                                T.wgmma_gemm(k_s[s, :, :], vd_s, h_f, transpose_A=True)
                                 # ... while V~_c goes to slot b and S_c, V~_c are handed to the
                                 # output warpgroup (generic-proxy stores that its wgmma reads:
                                 # fence, then arrive)
@@ -204,7 +220,7 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
                                 T.fence_proxy_async()
                                 T.barrier_arrive(bar_state_ready[b])
                                 T.wait_wgmma(0)
-                                T.barrier_arrive(bar_tiles_empty[b])
+                                T.barrier_arrive(bar_tiles_empty[s])
                 T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])
 
             elif tx >= CHAIN_END and tx < SCORES_END:  # ---- the scores warpgroup
@@ -220,15 +236,12 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
                     # triangle (masked below) stays finite: no branch
                     for i, j in T.Parallel(C, C):
                         gam_f[i, j] = T.exp2(T.min(g_s[s, i] - g_s[s, j], 0))
-                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on j <= i < n, 0 elsewhere,
-                    # and WY D <- WY * exp(g_j); handed to the output warpgroup first
+                    # WY <- Gamma * Ab (Ab as stored for a gated chunk) on j <= i < n, 0 elsewhere;
+                    # handed to the output warpgroup first
                     for i, j in T.Parallel(C, C):
                         wy_s[b, i, j] = T.if_then_else(
                             (j <= i) & (i < n),
                             ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]), 0)
-                        wyd_s[b, i, j] = T.if_then_else(
-                            (j <= i) & (i < n),
-                            ab_s[s, i, j] * T.if_then_else(keep != 0, 1.0, gam_f[i, j]) * eg_s[s, j], 0)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_wy_ready[b])
                     # P <- scale (Q K^T * Gamma), lower triangle incl. the diagonal
@@ -245,46 +258,25 @@ def fused_reform_kernel(H: int, HV: int, K: int, V: int, BV: int):
                 T.set_max_nreg(REGS_OUTPUT, 1)
                 # w_0, u_0 before the loop; in the loop chunk c + 1's, then chunk c's output
                 if num_seq_chunks > 0:
-                    T.barrier_wait(bar_tiles_full[0], 0)
-                    T.barrier_wait(bar_wy_ready[0], 0)
-                    # w <- (WY D) K, u <- WY V
-                    T.gemm(wyd_s[0, :, :], k_s[0, :, :], w_f, clear_accum=True)
-                    T.gemm(wy_s[0, :, :], v_s[0, :, :], u_f, clear_accum=True)
-                    T.barrier_arrive(bar_wy_free[0])
-                    T.copy(w_f, w_s0)
-                    T.copy(u_f, u_s0)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_w_ready[0])
+                    build_w_u(0, bar_tiles_full, bar_wy_ready, bar_wy_free, bar_w_ready, bar_w_free,
+                              wy_s, eg_s, k_s, v_s, wyd_a, w_f, u_f, w_s, u_s)
                 for c0, reps, slots, present in chunk_parts(num_seq_chunks):
                     if present:
                         for r in T.serial(reps):
-                            for b, h_sb, vn_sb, w_nb, u_nb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1),
-                                                                  (w_s1, w_s0), (u_s1, u_s0)):
+                            for b, h_sb, vn_sb in zip(slots, (h_s0, h_s1), (vn_s0, vn_s1)):
                                 c = c0 + 2 * r + b
                                 phase = (c // NUM_HANDOFF) % 2
                                 t0 = bos + c * C
                                 n = T.min(eos - t0, C)
-                                # w_{c+1}, u_{c+1} into slot 1 - b, once the chain has read w_{c-1}
-                                # (chunk c + 1's phase: (c + 1) // 2 = c // 2 + b)
-                                nphase = phase ^ b
                                 if c + 1 < num_seq_chunks:
-                                    T.barrier_wait(bar_tiles_full[1 - b], nphase)
-                                    T.barrier_wait(bar_wy_ready[1 - b], nphase)
-                                    T.gemm(wyd_s[1 - b, :, :], k_s[1 - b, :, :], w_f, clear_accum=True)
-                                    T.gemm(wy_s[1 - b, :, :], v_s[1 - b, :, :], u_f, clear_accum=True)
-                                    T.barrier_arrive(bar_wy_free[1 - b])
-                                    T.barrier_wait(bar_w_free[1 - b], nphase ^ 1)
-                                    T.copy(w_f, w_nb)
-                                    T.copy(u_f, u_nb)
-                                    T.fence_proxy_async()
-                                    T.barrier_arrive(bar_w_ready[1 - b])
-                                T.barrier_wait(bar_tiles_full[b], phase)
+                                    build_w_u(c + 1, bar_tiles_full, bar_wy_ready, bar_wy_free, bar_w_ready,
+                                              bar_w_free, wy_s, eg_s, k_s, v_s, wyd_a, w_f, u_f, w_s, u_s)
                                 T.barrier_wait(bar_state_ready[b], phase)
                                 # O <- scale diag(exp(g)) Q S_c; then the tile stage is free
-                                T.gemm(q_s[b, :, :], h_sb, o_f, clear_accum=True)
+                                T.gemm(q_s[c % NUM_STAGES, :, :], h_sb, o_f, clear_accum=True)
                                 for i, j in T.Parallel(C, BV):
-                                    o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[b, i]))
-                                T.barrier_arrive(bar_tiles_empty[b])
+                                    o_f[i, j] = o_f[i, j] * (scale * T.exp2(g_s[c % NUM_STAGES, i]))
+                                T.barrier_arrive(bar_tiles_empty[c % NUM_STAGES])
                                 # O <- O + P_c V~_c
                                 T.barrier_wait(bar_scores_ready[b], phase)
                                 T.gemm(p_s[b, :, :], vn_sb, o_f)
