@@ -28,9 +28,9 @@ stamps divided by its chunks, mean over CTAs), its share of the role's span, and
 in cycles and ns (the SM clock from ``%globaltimer`` against ``clock64`` over each CTA), plus
 ``flashqla.bench.versions``' provenance. ``--events``: one CTA's raw stamps for a window of chunks
 (role, site, label, cycle), for the timeline plot in notebooks/04_reformulation.py.
-``report IN.csv`` prints the table on any machine. ``--stage N`` stamps a gdn_fwd stage's wide kernel
-(s34, s35, s38-s41: their forwards take the compiled fused kernel as ``fused``) instead of
-the library's. ``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold nine runs: on
+``report IN.csv`` prints the table on any machine. ``--stage N`` stamps a gdn_fwd stage's fused kernel
+instead of the library's: the wide kernel of s34, s35 and s38-s41, the narrow one of s45 (their
+forwards take the compiled fused kernel as ``fused``). ``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold nine runs: on
 one H100 the library (s33's kernels) at 94d60f0, s34 at dac1807, s35 at 45722b0, the library (s37's
 kernels; its (16, 64) rows named gdn_fwd.s37) and s38 at 924ffec, s41 at f7b01a9, the library at BV
 128 ((16, 16) and (16, 64) 8x4096, s34's kernel) at 2066b86; on one H200 s39 at d03048d and s40 at
@@ -49,7 +49,8 @@ PROBLEMS = [Problem(16, 64, (8192,)), Problem(16, 48, (8192,)), Problem(2, 8, (2
             Problem(16, 16, (4096,) * 8), Problem(16, 64, (4096,) * 8)]  # the last two at BV 128
 ROLES = {"gdn_fused_state_value_kernel": ("state", "value", "scores/output", "producer"),
          "gdn_fused_ws_lean_kernel": ("chain", "scores", "output", "producer"),
-         "gdn_fused_state_in_registers_kernel": ("chain", "scores", "output", "producer")}  # gdn_fwd.s39
+         "gdn_fused_state_in_registers_kernel": ("chain", "scores", "output", "producer"),  # gdn_fwd.s39
+         "gdn_fused_chain_on_w_kernel": ("chain", "scores", "output", "producer")}  # gdn_fwd.s45
 WARPGROUP = 128
 STAMPS_PER_CHUNK = 96        # room per (CTA, warpgroup) and chunk: every role stamps fewer
 SITE_BITS = 48               # a stamp: site << 48 | (cycle or ns, 48 bits)
@@ -209,19 +210,20 @@ def measure(out: Path, events_out: Path | None, commit: str, labels=(), stage: i
                 torch.cuda.synchronize()
             finally:
                 fwd._compiled = library
-        else:  # a gdn_fwd stage from s34 on: its forward takes the compiled wide kernel as ``fused``
+        else:  # a gdn_fwd stage from s34 on: its forward takes the compiled fused kernel as ``fused``
             mod = stages.load("gdn_fwd", stage)
             want = mod.forward(**x)
 
-            def stamped_wide(*shape):
-                if shape[4] < 64:
-                    raise ValueError(f"{p.label}: --stage stamps only the wide kernel (BV 64, 128); got BV {shape[4]}")
-                if (mod.fused_state_value_kernel, shape) not in used:
-                    used[mod.fused_state_value_kernel, shape] = stamped_kernel(
-                        mod.fused_state_value_kernel, shape, cap_chunks, mod.S27.FUSED_CONFIGS)
-                return used[mod.fused_state_value_kernel, shape]
+            def stamped_fused(*shape):
+                narrow = shape[4] < 64
+                if narrow and not hasattr(mod, "fused_reform_kernel"):
+                    raise ValueError(f"{p.label}: gdn_fwd.s{stage} has no narrow kernel of its own; got BV {shape[4]}")
+                builder = mod.fused_reform_kernel if narrow else mod.fused_state_value_kernel
+                if (builder, shape) not in used:
+                    used[builder, shape] = stamped_kernel(builder, shape, cap_chunks, mod.S27.FUSED_CONFIGS)
+                return used[builder, shape]
 
-            got = mod.forward(**x, fused=stamped_wide)
+            got = mod.forward(**x, fused=stamped_fused)
             torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
             f"{p.label}: the stamped kernel changed the forward's result"

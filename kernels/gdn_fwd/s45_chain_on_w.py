@@ -328,9 +328,10 @@ def kernel_source() -> str:
 
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD):
+            cu_seqlens=None, cp=None, threshold=autocp.THRESHOLD, *, fused=fused):
     """s44's forward with this stage's fused kernel at 16 and 32 columns (``cp`` None decides,
-    False never splits, True splits at the rule's cheapest L, an int is the segment length)."""
+    False never splits, True splits at the rule's cheapest L, an int is the segment length).
+    ``fused``: the compiled fused kernel at a shape (profiles/role_timeline_lab.py passes stamped ones)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
