@@ -1181,5 +1181,84 @@ print(f"a chunk step: our fused kernel {float(lean['us']) / chunks:.2f} us (stat
 # our fused kernel's 32 dependent chunk steps at the best per-chunk rate measured on this card
 # (FLA's 1.3 us, ours 1.7). The rule prices splitting the sequence, and it does not pay at 32
 # chunks (section 13). So the short problems need a shorter step. Section 18's algebra does not
-# shorten the fused kernel's step: the output still needs V~, so the chain stays two products
-# (README, gaps).
+# shorten the fused kernel's step: the output still needs V~. Section 20 tries FLA's form of the
+# step.
+
+# %% [markdown]
+# ## 20. The narrow chain on w and u: `gdn_fwd.s45` (slower, not promoted)
+#
+# The narrow kernel (16 or 32 value columns a CTA) runs the six unsplit 1 x 2048 problems of few
+# heads. Its chain does three products a chunk: $U = K S_c$, then $\tilde V = \mathrm{WY}(V - D U)$,
+# then $S \leftarrow e^{g_C} S + K^\top E \tilde V$. FLA's state kernel does two, because
+# $\mathrm{WY}(V - D K S_c) = u - w S_c$ with $u = \mathrm{WY}\, V$ and
+# $w = \mathrm{WY} D K$, and neither depends on the state. $\mathrm{WY}\, D$ has entries
+# $\mathrm{WY}_{ij} e^{g_j}$. For a gate-free chunk that is $D A_b$. A flagged chunk's $A_b$
+# already holds the gate. In float64:
+
+# %%
+for name, wy in (("gate-free", Gamma * A_b), ("flagged", A_g)):
+    u_c, w_c = wy @ vc, (wy * gam.exp()[None, :]) @ kc          # FLA's u and w
+    print(f"{name:9s}: |(u - w S) - WY (V - D K S)| / |WY (V - D K S)| = "
+          f"{rel_l2(u_c - w_c @ s0, wy @ (vc - D @ kc @ s0)):.1e}")
+    assert rel_l2(u_c - w_c @ s0, wy @ (vc - D @ kc @ s0)) < 1e-12
+assert torch.allclose((Gamma * A_b) * gam.exp()[None, :], D @ A_b)   # gate-free: WY D = D A_b
+
+# %% [markdown]
+# s45's output warpgroup builds $w$ and $u$ for chunk $c + 1$ while the chain walks chunk $c$.
+# It scales WY's columns in registers, which gives the left operand of $w$'s product. The chain's
+# step becomes $\tilde V = u - w S_c$, then the state update: two products and one pass through
+# shared memory instead of two.
+
+# %%
+s45 = load("gdn_fwd", 45)
+src45 = inspect.getsource(s45)
+print(src45[src45.index("    @T.macro\n    def build_w_u"):src45.index("    @T.prim_func")])
+print(src45[src45.index("                                # w S_c, w from the output"):
+            src45.index("                T.copy(h_f, ht[i_n, i_hv, :, v0:v0 + BV])")])
+
+# %% [markdown]
+# Its GPU tests pass: the public shapes, the adversarial inputs with flagged chunks, and AutoCP's
+# tests. But it is slower. The forward, s44 and s45 in one process (one H100,
+# `results/chain_on_w.csv`). The first build (635e334) had the scores warpgroup write WY D and
+# kept two tile stages; the second (a31b494) is the stage as committed:
+
+# %%
+w_runs = {}
+with open(RESULTS / "chain_on_w.csv") as f:
+    for r in csv.DictReader(f):
+        w_runs.setdefault(r["commit"], {}).setdefault(r["problem"], {})[r["impl"]] = float(r["ms"])
+print(f"{'build':8s} {'problem':18s} {'s44':>8s} {'s45':>8s} {'s45/s44':>8s}")
+for commit, t_run in w_runs.items():
+    for label, t in t_run.items():
+        print(f"{commit:8s} {bench.short_label(label):18s} {t['gdn_fwd.s44']:8.4f} {t['gdn_fwd.s45']:8.4f} "
+              f"{t['gdn_fwd.s45'] / t['gdn_fwd.s44']:8.2f}")
+assert all(t["gdn_fwd.s45"] > 1.25 * t["gdn_fwd.s44"] for t in w_runs["a31b494"].values())
+
+# %% [markdown]
+# The role timeline of both kernels on (2, 8) 1 x 2048 in one call (stamped cycles a chunk,
+# `results/role_timeline.csv`, 4f33b5e) says where the time went:
+
+# %%
+stamped = {}
+with open(RESULTS / "role_timeline.csv") as f:
+    for r in csv.DictReader(f):
+        if r["problem"] == "(2, 8) 1x2048" and r["commit"] == "4f33b5e":
+            stamped.setdefault(r["impl"], {}).setdefault(r["role"], {"span": int(r["span_cycles_per_chunk"])})[
+                r["activity"]] = int(r["cycles_per_chunk"])
+own = lambda acts: sum(v for a, v in acts.items() if a in ("work", "gemm", "named barrier"))
+print(f"{'role':10s} {'s44 span':>9s} {'s44 own':>8s} {'s45 span':>9s} {'s45 own':>8s}")
+for role in ("chain", "scores", "output", "producer"):
+    a44, a45 = stamped["API"][role], stamped["gdn_fwd.s45"][role]
+    print(f"{role:10s} {a44['span']:9d} {own(a44):8d} {a45['span']:9d} {own(a45):8d}")
+print(f"s45's chain waits for w (bar_w_ready) {stamped['gdn_fwd.s45']['chain']['wait bar_w_ready']} cycles a chunk")
+assert own(stamped["gdn_fwd.s45"]["chain"]) < own(stamped["API"]["chain"])
+assert stamped["gdn_fwd.s45"]["scores"]["work"] > 1.4 * stamped["API"]["scores"]["work"]
+
+# %% [markdown]
+# The chain's own time a chunk falls by a fifth, but it now waits for $w$ for most of the rest.
+# The scores warpgroup's own work grows by half, although s45 changed none of its instructions
+# except the tile stage count. Beside it, the output warpgroup's own time more than doubles with
+# $w$'s product and stores. Its span sets the new pace. In s44 the three consumer warpgroups were
+# already close to balanced: the scores worked 72 % of their span. A shorter chain only moves the
+# pace to another role, as s41's $W$ product did at 64 columns (notebook 04). So the short
+# problems need less work a chunk across all the roles, not a shorter chain alone.

@@ -30,11 +30,12 @@ in cycles and ns (the SM clock from ``%globaltimer`` against ``clock64`` over ea
 (role, site, label, cycle), for the timeline plot in notebooks/04_reformulation.py.
 ``report IN.csv`` prints the table on any machine. ``--stage N`` stamps a gdn_fwd stage's fused kernel
 instead of the library's: the wide kernel of s34, s35 and s38-s41, the narrow one of s45 (their
-forwards take the compiled fused kernel as ``fused``). ``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold nine runs: on
+forwards take the compiled fused kernel as ``fused``). ``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold eleven runs: on
 one H100 the library (s33's kernels) at 94d60f0, s34 at dac1807, s35 at 45722b0, the library (s37's
 kernels; its (16, 64) rows named gdn_fwd.s37) and s38 at 924ffec, s41 at f7b01a9, the library at BV
-128 ((16, 16) and (16, 64) 8x4096, s34's kernel) at 2066b86; on one H200 s39 at d03048d and s40 at
-a96646a. The stages' docstrings and the README's gaps quote them.
+128 ((16, 16) and (16, 64) 8x4096, s34's kernel) at 2066b86, and on (2, 8) 1x2048 the library (s33's
+narrow kernel still; these rows replace 94d60f0's of that problem) and s45 at 4f33b5e; on one H200
+s39 at d03048d and s40 at a96646a. The stages' docstrings and the README's gaps quote them.
 """
 
 import argparse

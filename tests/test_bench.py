@@ -327,14 +327,17 @@ def test_role_timeline_holds_what_the_stages_quote():
     3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252; s37's state span
     5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461); s41's scores warpgroup 5157 (3069).
     At BV 128 (the library at 2066b86, (16, 16) 8x4096) the scores / output warpgroup's own work is
-    over half its span, where the state warpgroup waits over half of its on Vd (the README's gaps)."""
+    over half its span, where the state warpgroup waits over half of its on Vd (the README's gaps).
+    On (2, 8) 1x2048 at BV 16 (4f33b5e), what gdn_fwd.s45's docstring quotes: the library's chain
+    spends 3455 cycles a chunk on its own (work, wgmma, named barriers), s45's 2782, and waits 2461
+    for w; s45's scores warpgroup works 4352 cycles a chunk against the library's 2872."""
     import csv
     import subprocess
 
     path = bench.RESULTS / "role_timeline.csv"
     out = subprocess.run([sys.executable, str(bench.RESULTS.parent / "role_timeline_lab.py"), "report", str(path)],
                          capture_output=True, text=True, check=True).stdout
-    assert out.count("cycles per chunk") == 14
+    assert out.count("cycles per chunk") == 15
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["problem"] == "(16, 64) 1x8192"]
 
@@ -356,6 +359,12 @@ def test_role_timeline_holds_what_the_stages_quote():
         wide = {(r["role"], r["activity"]): float(r["share"]) for r in csv.DictReader(f)
                 if r["problem"].startswith("(16, 16) 4096+") and r["commit"] == "2066b86"}
     assert wide["scores/output", "work"] > 0.5 and wide["state", "wait bar_vd_ready"] > 0.5
+    with open(path, newline="") as f:
+        short = {(r["impl"], r["role"], r["activity"]): int(r["cycles_per_chunk"]) for r in csv.DictReader(f)
+                 if r["problem"] == "(2, 8) 1x2048" and r["commit"] == "4f33b5e"}
+    own = lambda impl: sum(short[impl, "chain", a] for a in ("work", "gemm", "named barrier"))  # noqa: E731
+    assert (own("API"), own("gdn_fwd.s45"), short["gdn_fwd.s45", "chain", "wait bar_w_ready"]) == (3455, 2782, 2461)
+    assert (short["API", "scores", "work"], short["gdn_fwd.s45", "scores", "work"]) == (2872, 4352)
 
 
 def test_solve_kernels_hold_what_the_stages_quote():
@@ -426,3 +435,27 @@ def test_ncu_targets_hold_what_the_readme_and_notebook_05_quote():
     for quoted in ("378 GFLOP", "60 % of that roof (801 us)", "309 us\n  for 423 MB (40.9 % of peak DRAM",
                    "Ours takes 68.6 us under ncu, FlashQLA's 78.0, and FLA's seven kernels 100.6"):
         assert quoted in readme, quoted
+
+
+def test_chain_on_w_holds_what_s45_quotes():
+    """``results/chain_on_w.csv`` holds gdn_fwd.s45's table: s44 against s45's first build (635e334)
+    and against this one (a31b494), each pair from one process; the narrow kernel is slower in
+    both (1.67-1.78x and 1.27-1.30x s44's time), and (16, 64) 1x2048, which runs BV 64, is even."""
+    from flashqla.stages import load
+
+    runs = {}
+    for r in bench.read_csv(bench.RESULTS / "chain_on_w.csv"):
+        runs.setdefault(r["commit"], {}).setdefault(r["problem"], {})[r["impl"]] = float(r["ms"])
+    doc = load("gdn_fwd", 45).__doc__
+    for commit, build in (("635e334", "first"), ("a31b494", "this one")):
+        ratios = {}
+        for label, t in runs[commit].items():
+            ratio = t["gdn_fwd.s45"] / t["gdn_fwd.s44"]
+            ratios[label] = ratio
+            line = f"{bench.short_label(label):18s}{t['gdn_fwd.s44']:6.4f}   {t['gdn_fwd.s45']:6.4f}   {ratio:4.2f}   {build}, {commit}"
+            assert line in doc, line
+        narrow = [v for k, v in ratios.items() if not k.startswith("(16, 64)")]
+        assert min(narrow) > 1.25
+    assert abs(runs["635e334"]["(16, 64) 1x2048"]["gdn_fwd.s45"] / runs["635e334"]["(16, 64) 1x2048"]["gdn_fwd.s44"] - 1) < 0.01
+    assert (round(min(runs["a31b494"][k]["gdn_fwd.s45"] / runs["a31b494"][k]["gdn_fwd.s44"] for k in runs["a31b494"]), 2),
+            round(max(runs["a31b494"][k]["gdn_fwd.s45"] / runs["a31b494"][k]["gdn_fwd.s44"] for k in runs["a31b494"]), 2)) == (1.27, 1.30)

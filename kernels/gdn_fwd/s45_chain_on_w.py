@@ -14,25 +14,60 @@ chunk c + 1 while the chain walks chunk c. Then the chain's step is
 
     V~ = u - w S_c,  S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
 
-two products and one pass. WY D has entries WY_ij exp(g_j): the scores warpgroup writes it beside
-WY, from the same Gamma and Ab. For a gate-free chunk WY D = D Ab, and a flagged chunk's Ab already
-holds the gate. Every factor is an exponential of a non-positive number.
+two products and one pass. WY D has entries WY_ij exp(g_j): the output warpgroup scales WY's
+columns in registers (the left operand of w's product). For a gate-free chunk that is D Ab, and a
+flagged chunk's Ab already holds the gate. Every factor is an exponential of a non-positive number.
+The producer keeps three tile stages (s44: two), so that chunk c + 1's tiles, WY and w can be ready
+while the chain walks chunk c. The one w / u buffer is rewritten once the chain's first product of
+the chunk before has read it.
 
 The roles (``fused_reform_kernel``):
 
     chain      S (128 x BV fp32) in registers; S_c to shared memory (bf16), the operand of w S_c
                here and of Q S_c in the output; V~ = u - w S_c; S += K^T Vd
-    scores     Gamma, WY and WY D to shared memory; P = scale (Q K^T * Gamma)
+    scores     Gamma and WY to shared memory; P = scale (Q K^T * Gamma)
     output     w = (WY D) K and u = WY V of chunk c + 1, then O = scale D Q S_c + P V~_c
-    producer   TMA loads of q, k, v, Ab; g, exp(g), exp(g_C - g)
+    producer   TMA loads of q, k, v, Ab into three stages; g, exp(g), exp(g_C - g)
 
 Precision: w is rounded to bf16 (FLA's w is too). s44 rounded W = V - D U instead. u stays fp32.
 
 Why: on the short problems the chain paces the narrow kernel. The role timeline of (2, 8) 1x2048 at
-BV 16 (``results/role_timeline.csv``) stamps 4038 cycles a chunk on the chain: 1196 in wgmma, 1532
-on its own instructions and 727 at TileLang's named barriers, with the output warpgroup waiting for
-the state 47 % of its span. Nsight Compute on that problem (``results/ncu_targets.csv``) gives the
-kernel 1.7 us a chunk, against FLA's two-product state recurrence at 1.3.
+BV 16 (``results/role_timeline.csv``, 4f33b5e) stamps 4042 cycles a chunk on s44's chain: 1194 in
+wgmma, 1534 on its own instructions and 727 at TileLang's named barriers. Its output warpgroup
+waits for the state 47 % of its span. Nsight Compute on that problem (``results/ncu_targets.csv``)
+gives the kernel 1.7 us a chunk. FLA's two-product state recurrence takes 1.3 us a chunk.
+
+Measured effect: slower; not promoted. The forward, s44 and this stage, ``bench.time_row`` in one
+process on one H100 (``results/chain_on_w.csv``), ms:
+
+    problem            s44      s45   s45/s44   build
+    (2, 8) 1x2048     0.0614   0.1090   1.78   first, 635e334
+    (4, 16) 1x2048    0.0675   0.1161   1.72   first, 635e334
+    (16, 16) 1x2048   0.0663   0.1162   1.75   first, 635e334
+    (8, 32) 1x2048    0.0813   0.1371   1.69   first, 635e334
+    (16, 32) 1x2048   0.0813   0.1401   1.72   first, 635e334
+    (8, 24) 1x2048    0.0780   0.1305   1.67   first, 635e334
+    (16, 64) 1x2048   0.0913   0.0911   1.00   first, 635e334 (BV 64: not this kernel)
+    (2, 8) 1x2048     0.0611   0.0788   1.29   this one, a31b494
+    (4, 16) 1x2048    0.0669   0.0872   1.30   this one, a31b494
+    (16, 16) 1x2048   0.0668   0.0850   1.27   this one, a31b494
+    (8, 32) 1x2048    0.0804   0.1042   1.30   this one, a31b494
+
+The first build had the scores warpgroup write WY D to shared memory beside WY, and two tile
+stages. This one is 1.27-1.30x s44's time. The role timeline of (2, 8) 1x2048 in one call
+(4f33b5e, stamped cycles a chunk) says why:
+- the chain's own time (work, wgmma, named barriers) falls from 3455 to 2782;
+- but the chain waits 2461 cycles a chunk for w (``bar_w_ready``);
+- the scores warpgroup's own work rises from 2872 to 4352, and its span, 5590, now sets the pace
+  (s44's chunk: 4042).
+
+The warpgroups were balanced already: s44's scores warpgroup works 72 % of its span, its output
+warpgroup 45 %. Shortening the chain's step moved the pace to the scores warpgroup, as s41's W
+product did at 64 columns. The stamps do not say why the scores' own work grew: this stage changed
+none of its instructions except the stage count. Beside it, on the same SM, the output
+warpgroup's own work and wgmma rose from 1797 to 4150 cycles a chunk. Its GPU tests passed (a31b494): the public shapes; the
+adversarial inputs, flagged chunks included; AutoCP's CP on against off, determinism and graph
+replay.
 
 Taught in: notebooks/05_autocp.py (section 20, the narrow chain on w and u)
 """
