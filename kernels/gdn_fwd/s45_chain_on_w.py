@@ -48,13 +48,16 @@ process on one H100 (``results/chain_on_w.csv``), ms:
     (16, 32) 1x2048   0.0813   0.1401   1.72   first, 635e334
     (8, 24) 1x2048    0.0780   0.1305   1.67   first, 635e334
     (16, 64) 1x2048   0.0913   0.0911   1.00   first, 635e334 (BV 64: not this kernel)
-    (2, 8) 1x2048     0.0611   0.0788   1.29   this one, a31b494
-    (4, 16) 1x2048    0.0669   0.0872   1.30   this one, a31b494
-    (16, 16) 1x2048   0.0668   0.0850   1.27   this one, a31b494
-    (8, 32) 1x2048    0.0804   0.1042   1.30   this one, a31b494
+    (2, 8) 1x2048     0.0617   0.0792   1.28   this one, 5e4296f
+    (4, 16) 1x2048    0.0674   0.0879   1.30   this one, 5e4296f
+    (16, 16) 1x2048   0.0666   0.0856   1.29   this one, 5e4296f
+    (8, 32) 1x2048    0.0808   0.1053   1.30   this one, 5e4296f
+    (16, 32) 1x2048   0.0813   0.1066   1.31   this one, 5e4296f
+    (8, 24) 1x2048    0.0777   0.1011   1.30   this one, 5e4296f
 
 The first build had the scores warpgroup write WY D to shared memory beside WY, and two tile
-stages. This one is 1.27-1.30x s44's time. The role timeline of (2, 8) 1x2048 in one call
+stages. This one (its kernel unchanged since a31b494) is 1.28-1.31x s44's time on the six problems
+that run it. The role timeline of (2, 8) 1x2048 in one call
 (4f33b5e, stamped cycles a chunk) says why:
 - the chain's own time (work, wgmma, named barriers) falls from 3455 to 2782;
 - but the chain waits 2461 cycles a chunk for w (``bar_w_ready``);
@@ -62,12 +65,13 @@ stages. This one is 1.27-1.30x s44's time. The role timeline of (2, 8) 1x2048 in
   (s44's chunk: 4042).
 
 The warpgroups were balanced already: s44's scores warpgroup works 72 % of its span, its output
-warpgroup 45 %. Shortening the chain's step moved the pace to the scores warpgroup, as s41's W
+warpgroup 44 %. Shortening the chain's step moved the pace to the scores warpgroup, as s41's W
 product did at 64 columns. The stamps do not say why the scores' own work grew: this stage changed
 none of its instructions except the stage count. Beside it, on the same SM, the output
-warpgroup's own work and wgmma rose from 1797 to 4150 cycles a chunk. Its GPU tests passed (a31b494): the public shapes; the
-adversarial inputs, flagged chunks included; AutoCP's CP on against off, determinism and graph
-replay.
+warpgroup's own work and wgmma rose from 1797 to 4150 cycles a chunk.
+
+Its GPU tests passed (a31b494): the public shapes; the adversarial inputs, flagged chunks
+included; AutoCP's CP on against off, determinism and graph replay.
 
 Taught in: notebooks/05_autocp.py (section 20, the narrow chain on w and u)
 """
