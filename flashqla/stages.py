@@ -49,6 +49,21 @@ OPS = {
     "chunk_local_reverse_cumsum": (reference.chunk_local_reverse_cumsum, ("dg",)),
 }
 
+# The course path: the stages the chapters teach, in the order a learner meets them. Every other
+# stage is the lab log (the experiments that led from one milestone to the next), kept and tested
+# but off the path; the book's Lab log page lists them.
+MILESTONES = (
+    "gdn_fwd.s01",  # the recurrence on the GPU: the state on chip, one token at a time
+    "gdn_fwd.s02",  # the chunked form: a kernel per sub-step, matrix products on wgmma
+    "gdn_fwd.s03",  # the state recurrence and the output fused: h and v_new stay on chip
+    "gdn_fwd.s04",  # the gate-free reformulation: w and u never formed
+    "gdn_fwd.s05",  # warp specialization: chain, scores, output and producer warpgroups
+    "gdn_fwd.s06",  # AutoCP: long sequences cut into segments that run in parallel
+    "gdn_fwd.s44",  # the final forward, the library's
+    "gdn_bwd.s01",  # the chunked backward, a kernel per sub-step
+    "gdn_bwd.s02",  # the fused backward, the library's
+)
+
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _STAGE_FILE = re.compile(r"s(\d\d)_(\w+)\.py")
 _loading = threading.RLock()  # a module is registered before it runs: others must not see it half-made
@@ -69,6 +84,11 @@ class Stage:
     def name(self) -> str:
         """e.g. "chunk_kkt/s01_wgmma"."""
         return f"{self.op}/{self.path.stem}"
+
+    @property
+    def milestone(self) -> bool:
+        """Whether this stage is on the course path (``MILESTONES``) rather than in the lab log."""
+        return self.id in MILESTONES
 
     @property
     def module(self):

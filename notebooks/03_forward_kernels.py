@@ -320,7 +320,7 @@ if cumsum1 and cumsum2:
 # %% [markdown]
 # Measured (one H100, each kernel alone as 50 launches in one CUDA graph): s02 takes 1.6-2.5 us
 # where s01 takes 4.0-7.3 on the 1 x 2048 and 1 x 8192 problems of every head layout, about 2.5-5
-# us off every forward. The library runs s02 from `gdn_fwd.s26` on (notebook 05).
+# us off every forward. The library runs s02 from `gdn_fwd.s26` on (notebook 06).
 #
 # Every cumsum so far reads the chunk table, which another kernel built (inside a CUDA graph: one
 # CTA, 3.3-3.8 us before the cumsum on every replay). `chunk_local_cumsum.s03` takes the sequence

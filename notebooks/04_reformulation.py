@@ -2007,7 +2007,7 @@ assert "barrier" in ncu_solve["s05"]["stalls"] and "barrier" not in ncu_solve["s
 # four (1.02-1.16x): its 71 KiB of shared memory leaves three CTAs an SM, and Nsight Compute puts
 # `short_scoreboard` (shared-memory waits) first. `gate_free_solve.s09` chooses per launch: s08
 # with one or two value heads a CTA, s06 with three or four; the library runs it (through
-# `gdn_fwd.s22`, notebook 05). In the forward it takes 0.91-0.98x the time of the same pipeline on
+# `gdn_fwd.s22`, notebook 06). In the forward it takes 0.91-0.98x the time of the same pipeline on
 # s05 on the unsplit (16, 32) and (16, 16) problems but 1x2048 (one H100, commit e7a917b).
 
 # %% [markdown]
@@ -2029,7 +2029,7 @@ assert solve10.heads_per_cta(2, 8, 32, 132) == 2 and solve10.heads_per_cta(8, 32
 
 # %% [markdown]
 # Below one CTA an SM two heads a CTA take 0.61-0.77x s09's time; from 256 CTAs on, four heads a
-# CTA are as fast or faster, and one head a CTA never wins. `gdn_fwd.s26` ran s10 (notebook 05).
+# CTA are as fast or faster, and one head a CTA never wins. `gdn_fwd.s26` ran s10 (notebook 06).
 #
 # Alone is not where the solve runs. Inside the forward it runs once, between the cumsum and the
 # fused kernel, and its time is one launch's latency, not the throughput of 50 launches in a row.
@@ -2064,7 +2064,7 @@ assert solve11.heads_per_cta(8, 32, 32, 132) == 2 and solve11.heads_per_cta(8, 2
 assert solve11.heads_per_cta(16, 64, 32, 132) == 4
 
 # %% [markdown]
-# The library runs s11 through `gdn_fwd.s28` and `s29` (notebook 05): 1.03x FlashQLA's speed on (8, 32)
+# The library runs s11 through `gdn_fwd.s28` and `s29` (notebook 06): 1.03x FlashQLA's speed on (8, 32)
 # 1 x 2048, where it was 0.90x.
 #
 # One problem keeps a slow solve: (8, 24) 1 x 2048, 19.8 us against FlashQLA's 13.8. Its key heads
@@ -2610,5 +2610,5 @@ assert len(api_43) == 40 and sum(x >= 1 for x in vs_fq) == 39 and geo(vs_fq) > 1
 #   does the same in the cumsum-and-solve kernel: 0.77-0.92x s14's. The library (`gdn_fwd.s43`) is
 #   0.96-2.06x FlashQLA's speed on the 40 problems (geomean 1.22x, below it only on (8, 24)
 #   28672 + 4096) and 1.35-4.09x FLA's (geomean 2.50x); (16, 64) 1 x 32768 at 1.127 ms, 2.28x the
-#   floor (one H100, 1a05b0c). With AutoCP's phase 1 on two products (`gdn_fwd.s44`, notebook 05)
+#   floor (one H100, 1a05b0c). With AutoCP's phase 1 on two products (`gdn_fwd.s44`, notebook 06)
 #   the library is at least FlashQLA's speed on all 40 (geomean 1.33x, fbf3c07).

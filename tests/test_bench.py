@@ -410,9 +410,9 @@ def test_warmup_two_products_holds_what_s44_quotes():
     assert run["(16, 64) 1x32768"][bench.API_ROW]["x_floor"] == "2.22"
 
 
-def test_ncu_targets_hold_what_the_readme_and_notebook_05_quote():
+def test_ncu_targets_hold_what_the_readme_and_notebook_06_quote():
     """``results/ncu_targets.csv`` (one H100, ae1f15b) holds the numbers that the README's targets
-    paragraph and notebook 05's section 19 quote:
+    paragraph and notebook 06's section 19 quote:
     - on (16, 64) 1x32768, the fused kernel's 378 GFLOP equal the benchmark's useful FLOPs, at 60 %
       of the run's GEMM roof, and the solve's 309 us for 423 MB;
     - on (2, 8) 1x2048, the three forwards' kernel sums, 68.6, 78.0 and 100.6 us."""

@@ -44,7 +44,7 @@ forward's A, we solve again (part of the 1.62 ms). On (2, 8) the two sequential 
 and chunk_bwd_dhu (16 CTAs each), are 3.1 of the 4.0 ms: the next stages should put more CTAs on
 them or fuse them with the chunk-parallel kernels.
 
-Taught in: notebooks/06_backward.py.
+Taught in: notebooks/07_backward.py.
 """
 
 import torch

@@ -64,7 +64,7 @@ few (sequence, head) pairs leave each walk a few dozen CTAs. The walk keeps 1 CT
 memory, 184 registers), so at (16, 64) its 256 CTAs run in two waves and only few-head problems
 overlap the two walks.
 
-Taught in: notebooks/06_backward.py.
+Taught in: notebooks/07_backward.py.
 """
 
 import functools

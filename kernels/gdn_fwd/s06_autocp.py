@@ -56,7 +56,7 @@ host time for the ~45 small launches of the plan and the chaining: CP pays eager
 about 32768 tokens; it is meant to run captured. (16, 64) forced on (one segment, no split) costs
 0.1-0.45 ms more than s03. FlashQLA's forward on (2, 8) 1 x 32768 is 0.40 ms (NOTES.md).
 
-Taught in: notebooks/05_autocp.py
+Taught in: notebooks/06_autocp.py
 """
 
 import functools

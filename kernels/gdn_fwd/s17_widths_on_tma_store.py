@@ -27,7 +27,7 @@ on (2, 8), (4, 16) and (16, 16) from 32768 tokens, where FlashQLA's split beats 
 kkt_solve in ``kernel_split.csv``, one H200). It is the library's forward (``flashqla.fwd``).
 
 Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns") and
-notebooks/05_autocp.py (AutoCP)
+notebooks/06_autocp.py (AutoCP)
 """
 
 import functools

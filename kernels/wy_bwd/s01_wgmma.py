@@ -47,7 +47,7 @@ most likely (not profiled) latency bound, one CTA a multiprocessor (about 136 KB
 memory) running eight products, four cross-warpgroup row sums and their barriers in sequence per
 value head.
 
-Taught in: notebooks/06_backward.py
+Taught in: notebooks/07_backward.py
 """
 
 import functools
