@@ -19,9 +19,9 @@ def checkout_missing(command: str, needs: Path) -> str | None:
     """None inside a checkout, else the message for a ``command`` run from an installed wheel."""
     if needs.exists():
         return None
-    return (f"python -m flashqla {command}: this needs a checkout of the repository ({needs.name}/ "
-            f"is not next to the installed package at {CHECKOUT}). Clone the repository and install "
-            "it with `python3 -m pip install -e .` from its root.")
+    return (f"python -m flashqla {command}: this needs a checkout of the repository: it reads {needs}, "
+            "which an installed wheel does not have. Clone the repository and install it with "
+            "`python3 -m pip install -e .` from its root.")
 
 
 def lab_command(args=()) -> tuple[list[str], dict, Path]:
