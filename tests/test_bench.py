@@ -56,6 +56,9 @@ def test_results_page_is_regenerated_from_the_committed_csv(mode):
     block = bench.between(bench.RESULTS_PAGE.read_text(), mode.name)
     assert block == bench.results_table(rows, mode), \
         "book/results.md is stale: run `python -m flashqla bench --report`"
+    changed = [dict(r) for r in rows]
+    next(r for r in changed if r["impl"] == mode.peers[1])["method"] = "CUDA events, no graph (capture failed)"
+    assert bench.results_table(changed, mode) != block
     for r in rows:  # provenance on every row
         assert all(r[c] for c in ("gpu", "driver", "cuda", "torch", "tilelang", "fla", "flash_qla",
                                   "commit", "date", "method")), r
@@ -95,47 +98,61 @@ def test_readme_is_at_most_12_kib():
     assert bench.README.stat().st_size <= 12 * 1024, bench.README.stat().st_size
 
 
-def _readme_section(title):
-    text = bench.README.read_text()
+def _readme_section(title, text=None):
+    text = text or bench.README.read_text()
     start = text.index(f"\n## {title}\n")
     return text[start:text.find("\n## ", start + 1)]
 
 
+def _map_misfits(text, root, tracked):
+    """What the README's Map gets wrong about the tree: paths it names that do not exist, top-level
+    entries (of ``tracked``, the files git knows) and library modules it does not name."""
+    import re
+
+    named = set()
+    for row in _readme_section("Map", text).splitlines():
+        if row.startswith("| `"):
+            named.update(re.findall(r"`([^`]+)`", row.split(" | ")[0]))
+    wrong = [f"names {p}, not in the tree" for p in sorted(named) if not (root / p.split("<")[0]).exists()]
+    top = {f.split("/")[0] for f in tracked} - {"README.md"}
+    listed = {p.split("/")[0] for p in named}
+    modules = {f"flashqla/{p.name}" + ("/" if p.is_dir() else "") for p in (root / "flashqla").iterdir()
+               if p.suffix == ".py" and p.name != "__init__.py" or p.is_dir() and (p / "__init__.py").exists()}
+    return wrong + [f"misses {p}" for p in sorted(top - listed) + sorted(modules - named)]
+
+
 def test_readme_map_matches_the_tree():
     """Every path the Map names exists, and it names every top-level entry of the tree and every
-    module of the library."""
-    import re
+    module of the library; a map with a row dropped or a path misspelt fails."""
     import subprocess
 
     root = bench.README.parent
-    named = set()
-    for row in _readme_section("Map").splitlines():
-        if row.startswith("| `"):
-            named.update(re.findall(r"`([^`]+)`", row.split(" | ")[0]))
-    for path in named:
-        assert (root / path.split("<")[0]).exists(), f"the README's map names {path}, which is not in the tree"
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
     if tracked.returncode:
         pytest.skip("not a git checkout")
-    top = {f.split("/")[0] for f in tracked.stdout.splitlines()} - {"README.md"}
-    top = {t + "/" if (root / t).is_dir() else t for t in top}
-    listed = {p.split("/")[0] + "/" if "/" in p else p for p in named}
-    assert top <= listed, f"the README's map misses {sorted(top - listed)}"
-    modules = {f"flashqla/{p.name}" + ("/" if p.is_dir() else "") for p in (root / "flashqla").iterdir()
-               if p.suffix == ".py" and p.name != "__init__.py" or p.is_dir() and (p / "__init__.py").exists()}
-    assert modules <= named, f"the README's map misses {sorted(modules - named)}"
+    tracked = tracked.stdout.splitlines()
+    text = bench.README.read_text()
+    assert _map_misfits(text, root, tracked) == []
+    broken = text.replace("| `.gitignore` |", "| |").replace("`flashqla/timing.py`", "`flashqla/timings.py`")
+    assert _map_misfits(broken, root, tracked) == [
+        "names flashqla/timings.py, not in the tree", "misses .gitignore", "misses flashqla/timing.py"]
+
+
+def _dead_links(text, root):
+    """Local links of ``text`` that lead nowhere, and chapters of the tree it does not link."""
+    import re
+
+    local = [x for x in re.findall(r"\]\(([^)#]+)\)", text) if not x.startswith("http")]
+    chapters = {f"notebooks/{p.name}" for p in (root / "notebooks").glob("[0-9][0-9]_*.py")}
+    return [x for x in local if not (root / x).exists()] + sorted(chapters - set(local))
 
 
 def test_readme_links_resolve():
-    import re
-
     root = bench.README.parent
-    links = re.findall(r"\]\(([^)#]+)\)", bench.README.read_text())
-    local = [x for x in links if not x.startswith("http")]
-    assert local
-    assert [x for x in local if not (root / x).exists()] == []
-    chapters = {f"notebooks/{p.name}" for p in (root / "notebooks").glob("[0-9][0-9]_*.py")}
-    assert chapters <= set(local), f"chapters not linked from the README: {sorted(chapters - set(local))}"
+    text = bench.README.read_text()
+    assert "](book/results.md)" in text and _dead_links(text, root) == []
+    broken = text.replace("](notebooks/01_recurrence.py)", "](notebooks/01_recurence.py)")
+    assert _dead_links(broken, root) == ["notebooks/01_recurence.py", "notebooks/01_recurrence.py"]
 
 
 def test_readme_usage_runs_on_cpu():
