@@ -505,7 +505,7 @@ def summary_table(runs: dict[str, list[dict]]) -> str:
 
     lines = ["Speed of `flashqla.chunk_gated_delta_rule` against FLA and FlashQLA: their time over ours "
              "(above 1: faster), the geometric mean over a head layout's problems, the range in "
-             "brackets. Each ratio compares rows timed in one run."]
+             "brackets. Each ratio compares rows timed in one run.", ""]
     for m in modes:
         api = [r for r in runs[m.name] if r["impl"] == API_ROW and r["ms"]]
         per_layout = len(ratios[m.name]) // len({heads_and_lengths(x)[:2] for x in ratios[m.name]})
