@@ -71,13 +71,15 @@ def _per_head(got, want, bound) -> list[str]:
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 
 
-def allocations(module, builder) -> list[tuple[str, str, tuple[int, ...], str, int]]:
+def allocations(module, builder, **names) -> list[tuple[str, str, tuple[int, ...], str, int]]:
     """[(name, "shared" or "fragment", shape, dtype, bytes)] of every ``T.alloc_shared`` and
-    ``T.alloc_fragment`` in a stage's kernel builder, shapes evaluated with the stage's constants at
-    its DEFAULT_SHAPE (C = CHUNK_SIZE, BV = BLOCK_V). Chapter 5's shared-memory check reads s05's
-    allocations with it."""
-    names = {n: v for n, v in vars(module).items() if n.isupper() and isinstance(v, int)}
-    names.update(C=module.CHUNK_SIZE, BV=module.BLOCK_V, **module.DEFAULT_SHAPE)
+    ``T.alloc_fragment`` in a kernel builder of ``module`` (a stage, or ``flashqla.fwd``), shapes
+    evaluated with the module's integer constants, C = CHUNK_SIZE, BV = BLOCK_V and K, V of its
+    DEFAULT_SHAPE (128 if it has none); ``names`` overrides any of them (e.g. ``BV=128``,
+    ``NUM_STAGES=3``). Chapter 5 reads s05's and the library's allocations with it."""
+    names = {**{n: v for n, v in vars(module).items() if n.isupper() and isinstance(v, int)},
+             "C": module.CHUNK_SIZE, "BV": module.BLOCK_V,
+             **getattr(module, "DEFAULT_SHAPE", {"K": 128, "V": 128}), **names}
     out = []
     pattern = r"(\w+) = T\.alloc_(shared|fragment)\(\(([^)]*)\),\s*\"(\w+)\"\)"
     for name, kind, shape, dtype in re.findall(pattern, inspect.getsource(builder)):
