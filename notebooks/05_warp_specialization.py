@@ -158,12 +158,16 @@ for bar, count, slots, comment in BARRIERS:
     assert needed == s05.WARPGROUP * len(arrive), (bar, needed, arrive)   # every arriving thread once
     print(f"{bar:17s} {getattr(s05, slots):5d} {needed:8d}  {', '.join(arrive):16s} {', '.join(wait):24s} {comment}")
 
-doc_used = dict(re.findall(r"^\s+(\w+)\s+\[\d+, \d+\)\s+\d+\s+~(\d+)", s05.__doc__, re.M))
+# the docstring's table: role, [lo, hi), setmaxnreg, ~used
+doc_roles = {r: (int(lo), int(hi), int(n), u) for r, lo, hi, n, u in
+             re.findall(r"^\s+(\w+)\s+\[(\d+), (\d+)\)\s+(\d+)\s+~(\d+)", s05.__doc__, re.M)}
+doc_used = {r: u for r, (*_, u) in doc_roles.items()}
 print(f"\n{'role':9s} {'threads':>10s} {'setmaxnreg':>10s} {'used':>5s} {'registers':>10s}")
 reg_total = 0
 for budget, (cond, _) in roles.items():
     lo, hi = thread_range(cond, s05)
     nreg = getattr(s05, budget)
+    assert doc_roles[ROLE[budget]][:3] == (lo, hi, nreg), (budget, doc_roles[ROLE[budget]])
     reg_total += nreg * (hi - lo)
     print(f"{ROLE[budget]:9s} {f'[{lo}, {hi})':>10s} {nreg:10d} {doc_used[ROLE[budget]]:>5s} {nreg * (hi - lo):10d}")
 print(f"{'total':9s} {s05.THREADS:10d} {'':10s} {'':5s} {reg_total:10d} of 65536 "
@@ -507,7 +511,7 @@ for builder, widths in KERNELS.items():
         name = re.search(r"# ---- the (.+) warpgroup", cond).group(1)
         budget_sum += getattr(fwd, budget)
         print(f"   {name:16s} [{lo:3d}, {hi:3d})  setmaxnreg {getattr(fwd, budget):3d}")
-    assert budget_sum <= 4 * 128                                        # the pool of 512 threads
+    assert budget_sum == 4 * 128 and "REGS_PRODUCER" in lib_roles        # the pool of 512 threads, filled
     for bar, comment in re.findall(r"(bar_\w+) = T\.alloc_barrier\(.*\)\s*#\s*(.*)", src):
         print(f"   {bar:17s} {comment}")
 
@@ -515,7 +519,7 @@ for builder, widths in KERNELS.items():
 # All three keep s05's skeleton: a producer warpgroup with 24 registers, three consumer roles whose
 # budgets fill the pool of 512 threads, tile stages and double hand-off slots, one barrier pair per
 # hand-off. The stages between s05 and the library's forward (`gdn_fwd.s07` to `s45`, some kept,
-# some measured and dropped) are the lab log (the book page `lab_log`): each one changed one of the
+# some measured and dropped) are the [lab log](../lab_log.md): each one changed one of the
 # moves above and recorded its measured effect in its docstring.
 #
 # ## 6. Where the roles spend their cycles
