@@ -570,7 +570,32 @@ w64, w128 = waits["BV 64, fused_state_in_registers_kernel"], waits["BV 128, fuse
 assert min(w64, key=w64.get) == "chain" and w128["state"] > 0.5 and min(w128, key=w128.get) == "scores/output"
 
 # %% [markdown]
-# Read each panel for the role that waits least: it sets the pace, and the others wait on it.
+# The stamps of one CTA of the 64-column kernel over six chunks, as the measured counterpart of
+# section 3's napkin timeline (`role_timeline_events.csv`; a span between two stamps takes the kind of
+# the first: waiting on an mbarrier, at the named barrier, in a gemm, or work):
+
+# %%
+KEY64 = TIMED["BV 64, fused_state_in_registers_kernel"]
+with open(bench.RESULTS / "role_timeline_events.csv", newline="") as f:
+    events = [r for r in csv.DictReader(f) if (r["problem"], r["impl"]) == KEY64]
+KIND = {"wait": "wait", "sync": "named barrier", "gemm": "gemm"}       # any other stamp starts work
+order = list(dict.fromkeys(r["role"] for r in timeline if (r["problem"], r["impl"]) == KEY64))
+fig, ax = plt.subplots(figsize=(13, 2.6))
+for y, role in enumerate(reversed(order)):
+    stamps = [(r["kind"], int(r["cycle"])) for r in events if r["role"] == role]
+    for (kind, t), (_, t_next) in zip(stamps, stamps[1:]):
+        ax.broken_barh([(t, t_next - t)], (y - 0.4, 0.8), color=ACTIVITY[KIND.get(kind, "work")])
+ax.set_yticks(range(len(order)), list(reversed(order)))
+ax.set_xlabel(f"cycles (clock64 of one CTA, {events[0]['gpu']}, {events[0]['commit']}); grey: waiting")
+for act, colour in ACTIVITY.items():
+    ax.plot([], [], color=colour, lw=6, label=act)
+ax.legend(ncol=4, loc="lower right", bbox_to_anchor=(1, 1), fontsize=8, frameon=False)
+fig.tight_layout()
+assert {r["role"] for r in events} == set(order)
+
+# %% [markdown]
+# Read each panel of the bars, and this picture, for the role that waits least: it sets the pace,
+# and the others wait on it.
 #
 # - **BV 16 and 32** (s05's four roles with chapter 4's math): the chain and the scores warpgroup
 #   barely wait; the output warpgroup waits about half of its span, mostly for $S_c$. The chain's path (three
@@ -586,7 +611,7 @@ assert min(w64, key=w64.get) == "chain" and w128["state"] > 0.5 and min(w128, ke
 # update, $Q S$, $Q K^\top$ and $P \tilde V$:
 
 # %%
-rows64 = [r for r in timeline if (r["problem"], r["impl"]) == TIMED["BV 64, fused_state_in_registers_kernel"]]
+rows64 = [r for r in timeline if (r["problem"], r["impl"]) == KEY64]
 bv = fwd.WY_BLOCK_V
 flop_chunk = 2 * (CC * KC * bv + CC * CC * bv + KC * CC * bv + CC * KC * bv + CC * CC * KC + CC * CC * bv)
 ns_chunk = float(rows64[0]["span_ns_per_chunk"])
