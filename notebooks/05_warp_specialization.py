@@ -486,9 +486,9 @@ assert float(ncu[5]["tensor_pct"]) < 50 and float(ncu[5]["dram_pct"]) < 50
 #   128 registers a thread of a warpgroup, too many beside $\tilde V$: the chain becomes a *state*
 #   warpgroup (owns $S$, its snapshot, decay and update) and a *value* warpgroup ($U$, $W$, $\tilde V$,
 #   $V_d$), and scores and output share one. The same kernel runs at 64 columns, except where the
-#   solve already stores $\Gamma \odot A_b$ (three or four value heads a key head): there one chain
-#   warpgroup keeps its 64-column state transposed in registers, so that its products take it as
-#   their left operand.
+#   solve already stores $\Gamma \odot A_b$ (it takes three or four value heads a CTA, and AutoCP leaves
+#   the sequences whole): there one chain warpgroup keeps its 64-column state transposed in
+#   registers, so that its products take it as their left operand.
 #
 # The library's three fused kernels, each read from `flashqla/fwd.py` as section 2 read s05: the
 # roles in thread order with their register budgets, the mbarriers with the comment that says what
@@ -517,8 +517,8 @@ for builder, widths in KERNELS.items():
 
 # %% [markdown]
 # All three keep s05's skeleton: a producer warpgroup with 24 registers, three consumer roles whose
-# budgets fill the pool of 512 threads, tile stages and double hand-off slots, one barrier pair per
-# hand-off. The stages between s05 and the library's forward (`gdn_fwd.s07` to `s45`, some kept,
+# budgets fill the pool of 512 threads, tile stages and hand-off slots, and ready / free barriers
+# named for each hand-off. The stages between s05 and the library's forward (`gdn_fwd.s07` to `s45`, some kept,
 # some measured and dropped) are the [lab log](../lab_log.md): each one changed one of the
 # moves above and recorded its measured effect in its docstring.
 #
