@@ -80,7 +80,7 @@ def doc_numbers(doc, pattern):
 #
 # | role | threads | per chunk $c$ |
 # |---|---|---|
-# | chain | [0, 128) | owns the state $S$ (fp32, in its registers): $\tilde V_c = U - W S_c$, then $S \leftarrow e^{\gamma_C} S + K^\top \operatorname{diag}(e^{\gamma_C - \gamma}) \tilde V_c$ |
+# | chain | [0, 128) | owns the state $S$ (fp32, in its registers): $\tilde V_c = u - w S_c$ (s03's math: $u$, $w$ from the preparation), then $S \leftarrow e^{\gamma_C} S + K^\top \operatorname{diag}(e^{\gamma_C - \gamma}) \tilde V_c$ |
 # | scores | [128, 256) | $P_c = s\,(Q K^\top \odot \Gamma)$, lower triangle including the diagonal: it needs no state, so it runs ahead |
 # | output | [256, 384) | $O_c = s \operatorname{diag}(e^{\gamma}) Q S_c + P_c \tilde V_c$, stored straight from its registers |
 # | producer | [384, 512) | the $q$, $k$, $w$, $u$ tiles by TMA, and $\log_2(e)\,\gamma$ into the stage's gate buffer |
@@ -261,7 +261,7 @@ for role, ops in PROGRAMS.items():
 #   TMA loads, writes the gates, and arrives on `bar_tiles_full[s]`, which completes once the loads'
 #   bytes have landed too.
 # - **chain**: waits for the tiles and for the output warpgroup to have freed slot $b$; stores $S_c$
-#   in bf16 (the operand of $W S_c$ here and of $Q S_c$ in the output warpgroup), computes $W S_c$,
+#   in bf16 (the operand of $w S_c$ here and of $Q S_c$ in the output warpgroup), computes $w S_c$,
 #   then $\tilde V_c$ and its decayed copy; issues the state update $K^\top \tilde V_d$ without waiting
 #   for it, and meanwhile stores $\tilde V_c$, fences and arrives on `bar_state_ready[b]`; then waits
 #   for the update and releases the stage.
