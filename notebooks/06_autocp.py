@@ -278,8 +278,9 @@ print(f"slots per sequence J = {plan3.max_segments} (the longest possible sequen
 # How finely to split, in s06's rule (`autocp.segment_chunks`): without CP the chain kernel runs two
 # CTAs (64 value columns each) per (sequence, head), each as long as its sequence. Segments of $L$
 # chunks all run in one wave when their CTAs fit the SMs that idle; $L$ is the smallest such length
-# (at least 8 chunks, at most 32 segments a sequence), and the split is taken when it saves at least
-# `autocp.MIN_SAVED_CHUNKS` chain steps after paying phase 1 (`autocp.WARMUP_STEPS` steps a chunk).
+# (at least 8 chunks, at most 32 segments a sequence), and the split is taken when it makes three
+# segments or more and saves at least `autocp.MIN_SAVED_CHUNKS` chain steps after paying phase 1
+# (`autocp.WARMUP_STEPS` steps a chunk).
 # Segments per sequence x chunks per segment, 132 SMs:
 
 # %%
@@ -405,17 +406,22 @@ assert [round(f(x for (hd, _), x in speedup.items() if hd == "(16, 64)"), 2) for
 # promise: the preparation kernels before the chain (the solve, $w$, $u$) do not get shorter, and
 # phase 1 walks a whole segment for the exact heads (s06's docstring splits the time by phase). At
 # 2048 tokens the split's fixed cost loses. With (16, 64) the card is already full: forced on gives
-# one segment and only adds the split's fixed cost (0.79-0.94x), so the rule keeps CP off. Eagerly the plan and the chaining add host time (about 45
-# small launches), so CP is meant to run captured in a graph, which the device-side plan allows.
+# one segment and only adds the split's fixed cost (0.79-0.94x), so the rule keeps CP off. Eagerly,
+# the plan and the chaining add host time (about 45 small launches): CP is meant to run captured in
+# a graph, which the device-side plan allows.
 
 # %% [markdown]
 # ## 7. The final forward: `gdn_fwd.s44`, the library
 #
 # `gdn_fwd.s44` is what `flashqla.chunk_gated_delta_rule` runs on an SM90 GPU: `flashqla/fwd.py`
 # holds copies of its kernels, and `tests/test_promoted.py` asserts that each builds the same
-# TileLang program as the stage. It keeps s06's plan and its three phases, and runs each piece as
-# a kernel of its own: chapter 4's gate-free solve, chapter 5's warp-specialized fused kernel at a
-# width chosen from the lengths, and AutoCP's phases on warp roles. In launch order:
+# TileLang program as the stage. It keeps s06's three phases and runs each as a kernel of its own,
+# beside chapter 4's gate-free solve and chapter 5's warp-specialized fused kernel, whose width it
+# chooses from the sequence lengths. Those lengths it reads on the host once per `cu_seqlens` tensor
+# (`flashqla.varlen.host_bounds` keeps them), so it builds the plan there too and copies it to the
+# device once (`autocp.host_plan`); a CUDA graph captured after an eager call replays with the kept
+# plan, and only a capture with no eager call before it builds the plan on the device, as s06 does.
+# The kernels, in launch order:
 #
 # | kernel (`flashqla.fwd`) | computes | launched |
 # |---|---|---|
@@ -436,6 +442,12 @@ print(f"fused at 64 or 128, state / value / scores+output / producer: {fwd.REGS_
       f"{fwd.REGS_WIDE_VALUE} / {fwd.REGS_WIDE_SCORES} / {fwd.REGS_PRODUCER}")
 print(f"warm-up, chain / x / producer:                   {fwd.REGS_WARMUP_CHAIN} / {fwd.REGS_WARMUP_X} / "
       f"{fwd.REGS_WARMUP_PRODUCER}")
+for name, budget in (("fused", fwd.REGS_CHAIN + fwd.REGS_SCORES + fwd.REGS_OUTPUT + fwd.REGS_PRODUCER),
+                     ("fused at 64 or 128", fwd.REGS_WIDE_STATE + fwd.REGS_WIDE_VALUE + fwd.REGS_WIDE_SCORES
+                      + fwd.REGS_PRODUCER),
+                     ("warm-up", fwd.REGS_WARMUP_CHAIN + fwd.REGS_WARMUP_X + fwd.REGS_WARMUP_PRODUCER)):
+    print(f"{name}: {budget} x 128 threads = {budget * 128} of the SM's 65536 registers")
+    assert budget * 128 <= 65536
 
 # %% [markdown]
 # Which of them run is decided by the library's host code from integers it knows. To see it on
@@ -579,8 +591,9 @@ print(f"the lab log: {len(between)} gdn_fwd stages between s06 and s44, from {be
 #   a warm-up from zero over the chunks back to a cumulative log decay of $-10$ is within
 #   $e^{-10}$ of the state where it starts. Heads with $g = 0$ (a quarter in the models), and any
 #   head whose previous segment breaks the conditions, take the exact $M$.
-# - `flashqla.autocp` plans from host integers and builds the segment table on the device, with a
-#   host-known bound on its rows, so the forward can be captured in a CUDA graph.
+# - `flashqla.autocp` decides from host integers and can build the segment table on the device, with
+#   a host-known bound on its rows, so the forward can be captured in a CUDA graph; the library reads
+#   the lengths once per `cu_seqlens` tensor and keeps the plan it builds from them.
 # - `gdn_fwd.s06` splits (2, 8) on one sequence of 32768 tokens 2.4x faster than the unsplit chain
 #   under a graph (2.9x at 65536); a full card gains nothing, and the rule leaves it whole.
 # - The library runs `gdn_fwd.s44`: a solve, AutoCP's three kernels where the rule splits, and one
