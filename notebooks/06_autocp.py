@@ -425,7 +425,7 @@ assert [round(f(x for (hd, _), x in speedup.items() if hd == "(16, 64)"), 2) for
 #
 # | kernel (`flashqla.fwd`) | computes | launched |
 # |---|---|---|
-# | `gate_free_solve_with_cumsum_kernel` | the chunk table; $\gamma$, the chunk-local cumsum of $g$; $A_b = (I + \mathrm{StrictLower}(\operatorname{diag}(\beta) K K^\top))^{-1} \operatorname{diag}(\beta)$, and a `gated` flag on a (chunk, head) with $\beta \|k\|^2 > 2$, which solves with the gate instead | where a solve CTA holds one or two value heads |
+# | `gate_free_solve_with_cumsum_kernel` | the chunk table; $\gamma$, the chunk-local cumsum of $g$; $A_b = (I + \mathrm{StrictLower}(\operatorname{diag}(\beta) K K^\top))^{-1} \operatorname{diag}(\beta)$, and a `gated` flag on a (chunk, head) with $\beta \lVert k \rVert^2 > 2$, which solves with the gate instead | where a solve CTA holds one or two value heads |
 # | `chunk_local_cumsum_kernel`, then `gate_free_solve_kernel` | the same in two kernels; the solve stores $\mathrm{WY} = \Gamma \odot A_b$ where the fused kernel reads it | where a solve CTA holds three or four |
 # | `windows_kernel` | per (segment, value head): the warm-up window, or exact | AutoCP |
 # | `warmup_kernel` | phase 1: $Z$ from zero over the window, and $M$ from $I$ for the exact heads, as $S \leftarrow e^{\gamma_C} S + X^\top (E V - e^{\gamma_C} K S)$ with $X = A_b^\top K$, $E = \operatorname{diag}(e^{\gamma_C - \gamma})$: two dependent products a chunk (roles: producer, x, chain) | AutoCP |
