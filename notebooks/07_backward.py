@@ -649,7 +649,8 @@ def measured_effect(doc):
 
 
 for name, module in bwd_stages.items():
-    print(f"{name} ({Path(module.__file__).relative_to(ROOT)}): {' '.join(module.__doc__.split(chr(10) * 2)[0].split())}\n")
+    first = " ".join(module.__doc__.split("\n\n")[0].split())
+    print(f"{name} ({Path(module.__file__).relative_to(ROOT)}): {first}\n")
 
 # %% [markdown]
 # The measured numbers side by side, read from the docstrings' "Measured effect" tables: each stage against FLA 0.6.0's kernel
