@@ -41,7 +41,6 @@
 
 # %%
 import contextlib
-import csv
 import inspect
 import itertools
 import math

@@ -94,7 +94,7 @@ def check_dg_from_dgamma(dg_from_dgamma) -> Report:
     step) -> dg [T, HV], the gradient of g. Checked against ``reference.chunk_local_reverse_cumsum``
     and against autograd's gradient of g through the recurrence."""
     name = "dg_from_dgamma"
-    x, do, dht, g_cum, w, grads = _problem(DG_TOKENS)
+    x, do, dht, g_cum, _, grads = _problem(DG_TOKENS)
     q, k, v, beta, h0 = (x[n] for n in ("q", "k", "v", "beta", "initial_state"))
     Ai = reference.kkt_solve(reference.chunk_kkt(k, g_cum, beta))
     w, u = reference.chunk_w_u(k, v, beta, Ai, g_cum)
