@@ -75,7 +75,7 @@ def check_warmup_window(warmup_window) -> Report:
                 return report(name, [err])
             try:
                 got = int(got)
-            except (TypeError, ValueError):
+            except Exception:  # whatever the answer returned, the check reports it
                 return report(name, [f"returned {got!r}; expected a whole number of chunks"])
             want = 0 if exact[slot, head] else int(chunks[slot, head])
             windows[n, j, head] = got if got else -1
@@ -142,9 +142,9 @@ def check_segment_transition(segment_transition) -> Report:
         got, err = run_answer(name, segment_transition, chunk_M[j * L:(j + 1) * L].clone())
         if err:
             return report(name, [err])
-        if not isinstance(got, torch.Tensor) or got.shape != shape:
-            return report(name, [f"returned {type(got).__name__} of shape {getattr(got, 'shape', None)}; "
-                                 f"expected a tensor {list(shape)}"])
+        if not isinstance(got, torch.Tensor) or got.shape != shape or got.dtype != F64:
+            return report(name, [f"returned {type(got).__name__} of shape {getattr(got, 'shape', None)}, "
+                                 f"dtype {getattr(got, 'dtype', None)}; expected a float64 tensor {list(shape)}"])
         if rel_l2(got, m) > EXACT and not failures:
             failures.append(f"segment {j}: M differs from the recurrence run with v = 0 from I over its "
                             f"tokens by {rel_l2(got, m):.1e}")
