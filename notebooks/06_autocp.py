@@ -570,7 +570,7 @@ assert big["x_floor"] == "2.22" and float(small["pct_gemm_roof"]) < 10 and float
 # 1.39-4.21x FLA (geomean 2.74x). The floor is the larger of the useful FLOPs at the measured GEMM
 # roof and the bytes that must move at the measured copy roof: on the largest problem, (16, 64)
 # 1 x 32768, the forward takes 2.22x it. On the 1 x 2048 problems the time is 32 dependent chunk
-# steps of one chain plus two launches, far from either roof: latency, not bandwidth or FLOPs.
+# steps of one chain plus the solve before it, far from either roof: latency, not bandwidth or FLOPs.
 #
 # Everything between s06 and s44 is the lab log (book page `lab_log`): each stage that was tried,
 # what it measured, and whether it was kept. A learner needs none of it to follow this chapter.
