@@ -683,10 +683,11 @@ def _mask_dg(m: torch.Tensor) -> torch.Tensor:
     return (m - m.mT).sum(-1)
 
 
-def _gate_free_chunk_bwd(q, k, v, gam, beta, ab, gated, s, do, ds_t, scale):
+def _gate_free_chunk_bwd(q, k, v, gam, beta, ab, gated, s, do, ds_t, last, scale):
     """B1-B12 of ../shared/BACKWARD.md for one chunk: q, k [..., C, K], v, do [..., C, V], gam,
-    beta [..., C], ab [..., C, C], gated [...] bool, s (entering) and ds_t (leaving) [..., K, V]
-    -> dq, dk [..., C, K], dv [..., C, V], dgamma, dbeta [..., C], dS [..., K, V] (entering)."""
+    beta [..., C], ab [..., C, C], gated [...] bool, s (entering) and ds_t (leaving) [..., K, V],
+    last [...] the chunk's last real row -> dq, dk [..., C, K], dv [..., C, V], dgamma, dbeta
+    [..., C], dS [..., K, V] (entering)."""
     g_last = gam[..., -1:]                                            # gamma_C
     e, e_rev = torch.exp(gam)[..., None], torch.exp(g_last - gam)[..., None]  # D, E as row scales
     decay, causal = _decay_matrix(gam, 0)
@@ -733,10 +734,15 @@ def _gate_free_chunk_bwd(q, k, v, gam, beta, ab, gated, s, do, ds_t, scale):
     dkk, m_solve = (torch.where(flag, x_g, x_f) for x_g, x_f in zip(gated_[1:], free[1:]))
     dk = dk + (dkk + dkk.mT) @ k                                      # B7's solve term
     # B12: every gamma enters as a row or column scaling exp(+-gamma), so dgamma is sums of
-    # products, no exponential differentiated: U's, the state update's, the output's, the masks'
-    dgam = (du * u).sum(-1) - (k * dk_st).sum(-1) + (q * dq_st).sum(-1) + _mask_dg(m_solve + dp_g * p_g)
-    last = torch.exp(g_last[..., 0]) * (ds_t * s).sum((-1, -2)) + (k * dk_st).sum((-1, -2))
-    dgam = torch.cat([dgam[..., :-1], dgam[..., -1:] + last[..., None]], -1)   # gamma_C's own terms
+    # products, no exponential differentiated: U's, the state update's, the output's, the masks'.
+    # The state update's exp(gamma_C - gamma_i) gives -x_i to row i and +x_i to gamma_C; on the
+    # last real row gamma_C - gamma_i is 0 itself, so its x is left out of both, not added and
+    # subtracted: in fp32 that O(1) pair would swallow the other rows' x (exp(g) smaller each)
+    x_st = (k * dk_st).sum(-1)
+    x_st = torch.where(torch.arange(gam.shape[-1], device=gam.device) < last[..., None], x_st, 0)
+    dgam = (du * u).sum(-1) - x_st + (q * dq_st).sum(-1) + _mask_dg(m_solve + dp_g * p_g)
+    dgam_c = torch.exp(g_last[..., 0]) * (ds_t * s).sum((-1, -2)) + x_st.sum(-1)
+    dgam = torch.cat([dgam[..., :-1], dgam[..., -1:] + dgam_c[..., None]], -1)   # gamma_C's own terms
     return dq, dk, dv, dgam, dbeta, ds
 
 
@@ -764,8 +770,9 @@ def chunk_bwd_gate_free(q, k, v, g_cum, beta, Ab, gated, h, do, dht=None, scale=
         gated:   T = I - Ab (StrictTril(K K^T) * G), d(LG) = -StrictTril(T^T dA_g diag(beta) T^T),
                  dL_beta = diag(beta) (d(LG) * G), dbeta_j = sum_i (dA_g * T)_ij + sum_l d(LG)_jl (K K^T * G)_jl,
                  M = d(LG) * (diag(beta) StrictTril(K K^T) * G) + dP_g * P_g
-        dgamma_i = (dU * U)_i. - k_i.(E V~ dS'^T)_i + q_i.(scale D dO S^T)_i + sum_j (M - M^T)_ij,
-                   and gamma_C also exp(gamma_C) <dS', S> + sum_i k_i.(E V~ dS'^T)_i
+        dgamma_i = (dU * U)_i. - x_i + q_i.(scale D dO S^T)_i + sum_j (M - M^T)_ij,
+                   and gamma_C also exp(gamma_C) <dS', S> + sum_i x_i,   x_i = k_i.(E V~ dS'^T)_i
+                   on the rows before the chunk's last real one (0 on that one, in both places)
 
     then dg is dgamma's reverse chunk-local cumsum, and GVA sums dq and dk over each group of
     HV // H value heads. Computed in q's dtype.
@@ -787,7 +794,7 @@ def chunk_bwd_gate_free(q, k, v, g_cum, beta, Ab, gated, h, do, dht=None, scale=
     for c in reversed(range(ch.num_chunks)):  # padding chunks past a sequence's end pass dS' through
         dq[:, c], dk[:, c], dv[:, c], dgam[:, c], dbeta[:, c], ds = _gate_free_chunk_bwd(
             qc[:, c], kc[:, c], vc[:, c], gc[:, c], bc[:, c], abc[:, c], flags[:, c], hc[:, c],
-            doc[:, c], ds, scale)
+            doc[:, c], ds, ch.chunk_last[:, c, None], scale)
     dq, dk = (_sum_groups(ch.unpad(_tokens_first(x)), q.shape[2]) for x in (dq, dk))
     dg = chunk_local_reverse_cumsum(_unpad_g_cum_grad(ch, _tokens_first(dgam)), cu_seqlens, chunk_size)
     return dq, dk, ch.unpad(_tokens_first(dv)), dg, ch.unpad(_tokens_first(dbeta)), ds
