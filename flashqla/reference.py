@@ -880,9 +880,10 @@ def segment_state_grads(q, k, g_cum, Ab, gated, do, segment_chunks, dht=None, sc
     j >= 1 is segment j's first w chunks and dht_{j-1} = dZ_j alone (M_j taken as 0): wrong by
     exactly M_w^T dS_w, dS_w the true gradient leaving the window, so at most
     exp(sum of g over the window) ||dS_w|| under the forward's conditions (g_t <= 0, 0 <=
-    beta_t ||k_t||^2 <= 2: ||M_w||_2 <= exp(sum of g), section "Context parallelism"). w < 0 or
-    w >= L is exact: the whole segment and the M_j^T term (the g = 0 heads, whose log decay never
-    reaches the threshold). Slot 0 is not chained (the first segment's walk gives dh0).
+    beta_t ||k_t||^2 <= 2: ||M_w||_2 <= exp(sum of g), section "Context parallelism"). Exact, the
+    whole segment and the M_j^T term: w < 0 (the g = 0 heads, whose log decay never reaches the
+    threshold), w >= L, or a window reaching the sequence's end (so a slot past it passes dht on).
+    Slot 0 is not chained (the first segment's walk gives dh0).
     """
     mt, b, ch = _padded_cancelled_steps(q, k, g_cum, Ab, gated, do, scale, cu_seqlens, chunk_size)
     n_seq, n_chunks, hv, kd, vd = b.shape
@@ -891,9 +892,10 @@ def segment_state_grads(q, k, g_cum, Ab, gated, do, segment_chunks, dht=None, sc
     eye = torch.eye(kd, dtype=b.dtype, device=b.device).expand(n_seq, hv, kd, kd)
     w = torch.full((n_seq, J, hv), L, device=b.device) if warmup_chunks is None else \
         torch.as_tensor(warmup_chunks, device=b.device)
+    seq_chunks = ch.chunk_valid.sum(1)[:, None]                         # [N, 1]
     zs, ms, exact = [], [], []
     for j in range(J):
-        ex = (w[:, j] < 0) | (w[:, j] >= L)                            # [N, HV]
+        ex = (w[:, j] < 0) | (w[:, j] >= L) | (j * L + w[:, j] >= seq_chunks)   # [N, HV]
         end = torch.where(ex, (j + 1) * L, j * L + w[:, j])[..., None, None]  # the window's end
         mt_seg, z = eye, torch.zeros_like(b[:, 0])
         for c in reversed(range(j * L, min((j + 1) * L, n_chunks))):
