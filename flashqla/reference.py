@@ -764,13 +764,14 @@ def chunk_bwd_gate_free(q, k, v, g_cum, beta, Ab, gated, h, do, dht=None, scale=
         dq  = scale D dO S^T + dP K
         dk  = E V~ dS'^T + dU S^T + dP^T Q + (dL_beta + dL_beta^T) K
         dS  = exp(gamma_C) dS' + K^T dU + scale Q^T D dO                 (the previous chunk's dS')
-        ungated: dAb = G * dA_g, A_r = I - Ab StrictTril(K K^T), dL = -StrictTril(A_r^T dAb diag(beta) A_r^T),
-                 dL_beta = diag(beta) dL, dbeta_j = sum_i (dAb * A_r)_ij + sum_l dL_jl (K K^T)_jl,
-                 M = dAb * Ab + dP_g * P_g
-        gated:   T = I - Ab (StrictTril(K K^T) * G), d(LG) = -StrictTril(T^T dA_g diag(beta) T^T),
-                 dL_beta = diag(beta) (d(LG) * G), dbeta_j = sum_i (dA_g * T)_ij + sum_l d(LG)_jl (K K^T * G)_jl,
+        ungated: dAb = G * dA_g,  A_r = I - Ab StrictTril(K K^T),
+                 dL = -StrictTril(A_r^T dAb diag(beta) A_r^T),  dL_beta = diag(beta) dL,
+                 dbeta_j = sum_i (dAb * A_r)_ij + sum_l dL_jl (K K^T)_jl,  M = dAb * Ab + dP_g * P_g
+        gated:   T = I - Ab (StrictTril(K K^T) * G),  d(LG) = -StrictTril(T^T dA_g diag(beta) T^T),
+                 dL_beta = diag(beta) (d(LG) * G),
+                 dbeta_j = sum_i (dA_g * T)_ij + sum_l d(LG)_jl (K K^T * G)_jl,
                  M = d(LG) * (diag(beta) StrictTril(K K^T) * G) + dP_g * P_g
-        dgamma_i = (dU * U)_i. - x_i + q_i.(scale D dO S^T)_i + sum_j (M - M^T)_ij,
+        dgamma_i = sum_v (dU * U)_iv - x_i + q_i.(scale D dO S^T)_i + sum_j (M - M^T)_ij,
                    and gamma_C also exp(gamma_C) <dS', S> + sum_i x_i,   x_i = k_i.(E V~ dS'^T)_i
                    on the rows before the chunk's last real one (0 on that one, in both places)
 

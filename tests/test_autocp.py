@@ -483,7 +483,8 @@ def bwd_inputs(problem):
     gen = torch.Generator().manual_seed(7)
     do = torch.randn(x["v"].shape, generator=gen, dtype=F64)
     dht = torch.randn(len(problem.lengths), problem.HV, problem.K, problem.V, generator=gen, dtype=F64)
-    return x, dict(q=x["q"], k=x["k"], g_cum=g_cum, Ab=Ab, gated=gated, do=do, dht=dht, cu_seqlens=x["cu_seqlens"])
+    return x, dict(q=x["q"], k=x["k"], g_cum=g_cum, Ab=Ab, gated=gated, do=do, dht=dht,
+                   cu_seqlens=x["cu_seqlens"])
 
 
 def segment_grads(problem, L, warmup_chunks=None):

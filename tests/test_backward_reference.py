@@ -495,7 +495,8 @@ GATE_FREE_BROKEN = {  # name: (function, old, new, flags of the problem it is tr
         "_cancelled_steps", "x_g.mT @ (e_rev * k)", "x_g.mT @ (e * k)", "all",
         [check_chain_against_reference, check_chain_against_naive]),
 }
-GATE_FREE_BROKEN_CASES = [(name, check) for name, (*_, checks) in GATE_FREE_BROKEN.items() for check in checks]
+GATE_FREE_BROKEN_CASES = [(name, check) for name, (*_, checks) in GATE_FREE_BROKEN.items()
+                          for check in checks]
 
 
 @pytest.mark.parametrize("name, check", GATE_FREE_BROKEN_CASES,
