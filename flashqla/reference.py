@@ -630,3 +630,283 @@ def chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht=None, scale=None, i
     dk_wy, dv, dbeta, dg_cum_wy = wy_bwd(k, v, beta, Ai, g_cum, dw, dv2, cu_seqlens, chunk_size)
     dg = chunk_local_reverse_cumsum(dg_cum + dg_cum_wy, cu_seqlens, chunk_size)
     return dq, dk + dk_wy, dv, dg, dbeta, dh0
+
+
+# ---- The gate-free backward --------------------------------------------------------------------
+#
+# The gradients of chunk_gated_delta_rule_bwd_ref again, from what the gate-free forward keeps
+# (q, k, v, g_cum, beta, the solve's Ab and ``gated`` flags, the states h entering every chunk)
+# instead of w, u, Ai and v_new, in the form a fused reverse kernel computes them: one walk over
+# the chunks from last to first, every gradient of a chunk in the same iteration
+# (../shared/BACKWARD.md, section 1). Per chunk and value head, with gamma = g_cum (padding rows
+# carry the chunk's last real value), gamma_C its last row, D = diag(exp(gamma)),
+# E = diag(exp(gamma_C - gamma)), G = (exp(gamma_i - gamma_j), lower incl. diagonal),
+# S the state entering the chunk and dS' the gradient of the state leaving it, the forward is
+#
+#   A_g = G * Ab (a gated chunk: A_g = Ab, its Ab holds the gate),  U = K S,  W = V - D U,
+#   V~ = A_g W,  P_g = scale (Q K^T * G),  O = scale D Q S + P_g V~,  S' = exp(gamma_C) S + K^T E V~
+#
+# and no exponent is positive anywhere: G, D and E only, never exp(-gamma).
+
+
+def flagged_solve(k, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """The forward's solve with its precision policy: k [B, T, H, K], g_cum, beta [B, T, HV] ->
+    Ab [B, T, HV, C] (rows per token, as ``gate_free_solve``), gated [B', NT, HV] int32 (the
+    layout of ``chunk_h``'s h).
+
+    A (chunk, value head) in which some token has beta ||k||^2 > 2 is flagged gated, and its Ab
+    is the gated inverse times diag(beta), (I + StrictLower(diag(beta) K K^T * Gamma))^-1 diag(beta),
+    which holds the decay: there the gate-free inverse can overflow (``gate_free_solve``). Every
+    other chunk's Ab is ``gate_free_solve``'s, which holds no decay.
+    """
+    dt = k.dtype
+    hv = beta.shape[2]
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    growth = beta.to(dt) * expand_heads(k, hv).pow(2).sum(-1)                   # beta ||k||^2
+    flag = (ch.pad(growth) > 2).any(2)                                           # [N, NT, HV]
+    free = _heads_first(ch.pad(gate_free_solve(k, beta, cu_seqlens, chunk_size)))
+    ai = _heads_first(ch.pad(kkt_solve(chunk_kkt(k, g_cum, beta, cu_seqlens, chunk_size), cu_seqlens,
+                                       chunk_size)))                             # [N, NT, HV, C, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
+    ab = torch.where(flag[..., None, None], ai * bc[..., None, :], free)
+    return ch.unpad(_tokens_first(ab)), ch.pack_chunks(flag.to(torch.int32))
+
+
+def _mask_dg(m: torch.Tensor) -> torch.Tensor:
+    """Row sums of M - M^T: a masked product X = Y * exp(gamma_i - gamma_j) gives dgamma_i the sum
+    over its row of dX * X and takes the same sum over its column.
+
+    Under strong decay M is nearly diagonal and the diagonal cancels exactly, so the transposed copy
+    must hold M's values exactly: rounded to bf16 (a transpose staged through bf16 shared memory),
+    each row keeps 2^-9 |M_ii| of rounding against a true sum near zero (FlashQLA's 6e5d2ea).
+    """
+    return (m - m.mT).sum(-1)
+
+
+def _gate_free_chunk_bwd(q, k, v, gam, beta, ab, gated, s, do, ds_t, last, scale):
+    """B1-B12 of ../shared/BACKWARD.md for one chunk: q, k [..., C, K], v, do [..., C, V], gam,
+    beta [..., C], ab [..., C, C], gated [...] bool, s (entering) and ds_t (leaving) [..., K, V],
+    last [...] the chunk's last real row -> dq, dk [..., C, K], dv [..., C, V], dgamma, dbeta
+    [..., C], dS [..., K, V] (entering)."""
+    g_last = gam[..., -1:]                                            # gamma_C
+    e, e_rev = torch.exp(gam)[..., None], torch.exp(g_last - gam)[..., None]  # D, E as row scales
+    decay, causal = _decay_matrix(gam, 0)
+    G = torch.where(causal, decay, 0)
+    strict = causal.tril(-1)
+    kkt = torch.where(strict, k @ k.mT, 0)                            # StrictTril(K K^T)
+    flag = gated[..., None, None]
+    eye = torch.eye(gam.shape[-1], dtype=gam.dtype, device=gam.device)
+    # the forward, recomputed on chip
+    a_g = torch.where(flag, ab, G * ab)
+    u = k @ s                                                         # U = K S
+    w = v - e * u                                                     # W = V - D U
+    v_new = a_g @ w                                                   # V~ = A_g W
+    p_g = scale * (q @ k.mT) * G                                      # P_g
+    # B1-B9: the chain, dv, and the parts of dq and dk that need the states
+    dv_new = e_rev * (k @ ds_t) + p_g.mT @ do                         # B2 dV~ = E K dS' + P_g^T dO
+    dv = a_g.mT @ dv_new                                              # B3 dv = A_g^T dV~ (= dW)
+    du = -e * dv                                                      # B4 dU = -D dv
+    da_g = dv_new @ w.mT                                              # B5 dA_g = dV~ W^T
+    dp_g = do @ v_new.mT                                              # B6 dP_g = dO V~^T
+    dp = scale * G * dp_g                                             #    dP = scale G * dP_g
+    dk_st = e_rev * (v_new @ ds_t.mT)                                 # the state update's part of dk
+    dq_st = scale * e * (do @ s.mT)                                   # the output's inter-chunk part of dq
+    dq = dq_st + dp @ k                                               # B8
+    dk = dk_st + du @ s.mT + dp.mT @ q                                # B7 without the solve's term
+    ds = torch.exp(g_last)[..., None] * ds_t + k.mT @ du + scale * q.mT @ (e * do)  # B9
+    # B10-B11 through the solve. Ungated: A_g = G * Ab, Ab = A_r diag(beta), A_r = (I + L)^-1 with
+    # L = diag(beta) StrictTril(K K^T), so A_r = I - Ab StrictTril(K K^T) (no division by beta) and
+    # dL = -StrictTril(A_r^T dA_r A_r^T), dA_r = dAb diag(beta), dAb = G * dA_g.
+    b_row, b_col = beta[..., :, None], beta[..., None, :]
+    da_b = G * da_g
+    a_r = eye - ab @ kkt
+    dl = -torch.where(strict, a_r.mT @ (da_b * b_col) @ a_r.mT, 0)
+    free = ((da_b * a_r).sum(-2) + (dl * kkt).sum(-1),                # dbeta (B11)
+            b_row * dl,                                               # d(K K^T), strictly lower
+            da_b * ab)                                                # dA_g * A_g, M's solve term
+    # Gated: A_g = Ab = T diag(beta), T = (I + L * Gamma)^-1 = I - Ab (StrictTril(K K^T) * G):
+    # the same with L * Gamma for L and dA_g for dAb, and Gamma's own dgamma term.
+    kkt_g = kkt * G
+    t = eye - ab @ kkt_g
+    dlg = -torch.where(strict, t.mT @ (da_g * b_col) @ t.mT, 0)       # d(L * Gamma)
+    gated_ = ((da_g * t).sum(-2) + (dlg * kkt_g).sum(-1), b_row * dlg * G, dlg * b_row * kkt_g)
+    dbeta = torch.where(gated[..., None], gated_[0], free[0])
+    dkk, m_solve = (torch.where(flag, x_g, x_f) for x_g, x_f in zip(gated_[1:], free[1:]))
+    dk = dk + (dkk + dkk.mT) @ k                                      # B7's solve term
+    # B12: every gamma enters as a row or column scaling exp(+-gamma), so dgamma is sums of
+    # products, no exponential differentiated: U's, the state update's, the output's, the masks'.
+    # The state update's exp(gamma_C - gamma_i) gives -x_i to row i and +x_i to gamma_C; on the
+    # last real row gamma_C - gamma_i is 0 itself, so its x is left out of both, not added and
+    # subtracted: in fp32 that O(1) pair would swallow the other rows' x (exp(g) smaller each)
+    x_st = (k * dk_st).sum(-1)
+    x_st = torch.where(torch.arange(gam.shape[-1], device=gam.device) < last[..., None], x_st, 0)
+    dgam = (du * u).sum(-1) - x_st + (q * dq_st).sum(-1) + _mask_dg(m_solve + dp_g * p_g)
+    dgam_c = torch.exp(g_last[..., 0]) * (ds_t * s).sum((-1, -2)) + x_st.sum(-1)
+    dgam = torch.cat([dgam[..., :-1], dgam[..., -1:] + dgam_c[..., None]], -1)   # gamma_C's own terms
+    return dq, dk, dv, dgam, dbeta, ds
+
+
+def chunk_bwd_gate_free(q, k, v, g_cum, beta, Ab, gated, h, do, dht=None, scale=None, cu_seqlens=None,
+                        chunk_size=CHUNK_SIZE):
+    """The backward of the gate-free forward, one reverse walk, every gradient of a chunk at once.
+
+    q, k [B, T, H, K], v, do [B, T, HV, V], g_cum, beta [B, T, HV], Ab [B, T, HV, C] and gated
+    [B', NT, HV] (``flagged_solve``), h [B', NT, HV, K, V] (the state entering every chunk, as
+    ``chunk_h`` gives it), dht [N, HV, K, V] or None (zero) -> dq, dk [B, T, H, K], dv [B, T, HV, V],
+    dg, dbeta [B, T, HV], dh0 [N, HV, K, V]: the gradients of <do, o> + <dht, final state>, those
+    of chunk_gated_delta_rule_bwd_ref (dh0 whether or not the forward had an initial state).
+
+    Per chunk, from the last to the first, with dS' the gradient of the state leaving it (dht for
+    a sequence's last chunk) and the notation above (B1-B12 of ../shared/BACKWARD.md, section 1.3):
+
+        dV~ = E K dS' + P_g^T dO            dv = A_g^T dV~            dU = -D dv
+        dA_g = dV~ W^T    dP_g = dO V~^T    dP = scale G * dP_g
+        dq  = scale D dO S^T + dP K
+        dk  = E V~ dS'^T + dU S^T + dP^T Q + (dL_beta + dL_beta^T) K
+        dS  = exp(gamma_C) dS' + K^T dU + scale Q^T D dO                 (the previous chunk's dS')
+        ungated: dAb = G * dA_g,  A_r = I - Ab StrictTril(K K^T),
+                 dL = -StrictTril(A_r^T dAb diag(beta) A_r^T),  dL_beta = diag(beta) dL,
+                 dbeta_j = sum_i (dAb * A_r)_ij + sum_l dL_jl (K K^T)_jl,  M = dAb * Ab + dP_g * P_g
+        gated:   T = I - Ab (StrictTril(K K^T) * G),  d(LG) = -StrictTril(T^T dA_g diag(beta) T^T),
+                 dL_beta = diag(beta) (d(LG) * G),
+                 dbeta_j = sum_i (dA_g * T)_ij + sum_l d(LG)_jl (K K^T * G)_jl,
+                 M = d(LG) * (diag(beta) StrictTril(K K^T) * G) + dP_g * P_g
+        dgamma_i = sum_v (dU * U)_iv - x_i + q_i.(scale D dO S^T)_i + sum_j (M - M^T)_ij,
+                   and gamma_C also exp(gamma_C) <dS', S> + sum_i x_i,   x_i = k_i.(E V~ dS'^T)_i
+                   on the rows before the chunk's last real one (0 on that one, in both places)
+
+    then dg is dgamma's reverse chunk-local cumsum, and GVA sums dq and dk over each group of
+    HV // H value heads. Computed in q's dtype.
+    """
+    dt = q.dtype
+    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
+    scale = kd ** -0.5 if scale is None else scale
+    ch = _chunking(q, cu_seqlens, chunk_size)
+    qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
+    vc, doc = (_heads_first(ch.pad(x.to(dt))) for x in (v, do))                    # [N, NT, HV, C, V]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
+    abc = _heads_first(ch.pad(Ab.to(dt)))                                          # [N, NT, HV, C, C]
+    flags = ch.unpack_chunks(gated) != 0                                           # [N, NT, HV]
+    hc = ch.unpack_chunks(h.to(dt))                                                # [N, NT, HV, K, V]
+    ds = qc.new_zeros(ch.num_seqs, hv, kd, vd) if dht is None else dht.to(dt)
+    dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+    dgam, dbeta = torch.zeros_like(gc), torch.zeros_like(bc)
+    for c in reversed(range(ch.num_chunks)):  # padding chunks past a sequence's end pass dS' through
+        dq[:, c], dk[:, c], dv[:, c], dgam[:, c], dbeta[:, c], ds = _gate_free_chunk_bwd(
+            qc[:, c], kc[:, c], vc[:, c], gc[:, c], bc[:, c], abc[:, c], flags[:, c], hc[:, c],
+            doc[:, c], ds, ch.chunk_last[:, c, None], scale)
+    dq, dk = (_sum_groups(ch.unpad(_tokens_first(x)), q.shape[2]) for x in (dq, dk))
+    dg = chunk_local_reverse_cumsum(_unpad_g_cum_grad(ch, _tokens_first(dgam)), cu_seqlens, chunk_size)
+    return dq, dk, ch.unpad(_tokens_first(dv)), dg, ch.unpad(_tokens_first(dbeta)), ds
+
+
+def _cancelled_steps(q, k, gam, ab, gated, do, scale):
+    """Every chunk's reverse step dS = M^T dS' + R_g^T dO with the gate cancelled: q, k [..., C, K],
+    gam [..., C], ab [..., C, C], gated [...] bool, do [..., C, V] -> (M^T [..., K, K],
+    R_g^T dO [..., K, V]). M is the chunk's forward transition (``chunk_transition``).
+
+    Ungated, X = Ab K (= A_r diag(beta) K):  M^T = exp(gamma_C) (I - X^T K),
+                                            R_g = scale D (Q - tril(Q K^T) X)    (diagonal included)
+    G * A_r = D A_r D^-1 and (G * Q K^T) D = D tril(Q K^T) cancel every decay matrix and every
+    exp(-gamma): a kernel applies M^T as exp(gamma_C) (dS' - X^T (K dS')), two products on the
+    chain with X and R_g off it. A gated chunk's Ab holds the gate (no A_r to cancel it with), so
+    there X_g = Ab D K (FLA's w):  M^T = exp(gamma_C) I - X_g^T E K,  R_g = scale D Q - P_g X_g.
+    """
+    g_last = gam[..., -1:]
+    e, e_rev = torch.exp(gam)[..., None], torch.exp(g_last - gam)[..., None]
+    decay, causal = _decay_matrix(gam, 0)
+    qk = torch.where(causal, q @ k.mT, 0)                             # tril(Q K^T)
+    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+    x = ab @ k
+    mt = torch.exp(g_last)[..., None] * (eye - x.mT @ k)
+    rg = scale * e * (q - qk @ x)
+    x_g = ab @ (e * k)
+    mt_g = torch.exp(g_last)[..., None] * eye - x_g.mT @ (e_rev * k)
+    rg_g = scale * (e * q - (decay * qk) @ x_g)
+    flag = gated[..., None, None]
+    return torch.where(flag, mt_g, mt), torch.where(flag, rg_g, rg).mT @ do
+
+
+def _padded_cancelled_steps(q, k, g_cum, Ab, gated, do, scale, cu_seqlens, chunk_size):
+    """(M^T [N, NT, HV, K, K], R_g^T dO [N, NT, HV, K, V], the Chunking) for every chunk; chunks
+    past a sequence's end have M = I and R_g^T dO = 0."""
+    dt = q.dtype
+    hv = do.shape[2]
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    ch = _chunking(q, cu_seqlens, chunk_size)
+    qc, kc = (_heads_first(ch.pad(expand_heads(x.to(dt), hv))) for x in (q, k))  # [N, NT, HV, C, K]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                                  # [N, NT, HV, C]
+    abc = _heads_first(ch.pad(Ab.to(dt)))                                          # [N, NT, HV, C, C]
+    doc = _heads_first(ch.pad(do.to(dt)))                                          # [N, NT, HV, C, V]
+    mt, b = _cancelled_steps(qc, kc, gc, abc, ch.unpack_chunks(gated) != 0, doc, scale)
+    return mt, b, ch
+
+
+def dh_chain_cancelled(q, k, g_cum, Ab, gated, do, dht=None, scale=None, cu_seqlens=None,
+                       chunk_size=CHUNK_SIZE):
+    """The reverse state recurrence in gate-cancelled form (FlashQLA's cp_bwd): the chain of
+    ``chunk_bwd_gate_free`` (B1 + B4 + B9) with dv, dU and the decay matrices folded away,
+
+        dS = M^T dS' + R_g^T dO      (``_cancelled_steps``: M^T = exp(gamma_C) (I - X^T K), ...)
+
+    q, k [B, T, H, K], g_cum [B, T, HV], Ab [B, T, HV, C], gated [B', NT, HV], do [B, T, HV, V],
+    dht [N, HV, K, V] or None (zero) -> dh [B', NT, HV, K, V] (the gradient of the state LEAVING
+    each chunk, ``chunk_bwd_dhu``'s layout), dh0 [N, HV, K, V]. It needs neither v nor h: the
+    gradient of a state depends only on what comes after it, linearly.
+    """
+    mt, b, ch = _padded_cancelled_steps(q, k, g_cum, Ab, gated, do, scale, cu_seqlens, chunk_size)
+    ds = b.new_zeros(b.shape[0], *b.shape[2:]) if dht is None else dht.to(b.dtype)
+    dh = torch.zeros_like(b)
+    for c in reversed(range(ch.num_chunks)):
+        dh[:, c] = ds
+        ds = mt[:, c] @ ds + b[:, c]
+    return ch.pack_chunks(dh), ds
+
+
+def segment_state_grads(q, k, g_cum, Ab, gated, do, segment_chunks, dht=None, scale=None,
+                        cu_seqlens=None, warmup_chunks=None, chunk_size=CHUNK_SIZE):
+    """Backward AutoCP: the gradient of the state leaving every segment of L = segment_chunks
+    chunks (segment j of sequence n: its chunks [j L, (j + 1) L)), chained from per-segment parts.
+
+    Inputs as ``dh_chain_cancelled``. Returns, J = max(1, ceil(NT / L)):
+      dht_seg [N, J, HV, K, V]  the gradient of the state leaving segment j: dht for a sequence's
+                                last segment and those past its end; L = 1 gives dh per chunk
+      dz      [N, J, HV, K, V]  dZ_j: the reverse walk from zero over segment j's chunks, with
+                                ``warmup_chunks`` only over its first w of them (a window)
+      m       [N, J, HV, K, K]  M_j: the segment's forward transition (the product of its chunks')
+
+    The chain runs from the last segment to the first, dht_{j-1} = dZ_j + M_j^T dht_j: exact
+    without ``warmup_chunks``. With ``warmup_chunks`` [N, J, HV] integers w, the window of slot
+    j >= 1 is segment j's first w chunks and dht_{j-1} = dZ_j alone (M_j taken as 0): wrong by
+    exactly M_w^T dS_w, dS_w the true gradient leaving the window, so at most
+    exp(sum of g over the window) ||dS_w|| under the forward's conditions (g_t <= 0, 0 <=
+    beta_t ||k_t||^2 <= 2: ||M_w||_2 <= exp(sum of g), section "Context parallelism"). Exact, the
+    whole segment and the M_j^T term: w < 0 (the g = 0 heads, whose log decay never reaches the
+    threshold), w >= L, or a window reaching the sequence's end (so a slot past it passes dht on).
+    Slot 0 is not chained (the first segment's walk gives dh0).
+    """
+    mt, b, ch = _padded_cancelled_steps(q, k, g_cum, Ab, gated, do, scale, cu_seqlens, chunk_size)
+    n_seq, n_chunks, hv, kd, vd = b.shape
+    L = segment_chunks
+    J = max(1, -(-n_chunks // L))
+    eye = torch.eye(kd, dtype=b.dtype, device=b.device).expand(n_seq, hv, kd, kd)
+    w = torch.full((n_seq, J, hv), L, device=b.device) if warmup_chunks is None else \
+        torch.as_tensor(warmup_chunks, device=b.device)
+    seq_chunks = ch.chunk_valid.sum(1)[:, None]                         # [N, 1]
+    zs, ms, exact = [], [], []
+    for j in range(J):
+        ex = (w[:, j] < 0) | (w[:, j] >= L) | (j * L + w[:, j] >= seq_chunks)   # [N, HV]
+        end = torch.where(ex, (j + 1) * L, j * L + w[:, j])[..., None, None]  # the window's end
+        mt_seg, z = eye, torch.zeros_like(b[:, 0])
+        for c in reversed(range(j * L, min((j + 1) * L, n_chunks))):
+            mt_seg = mt[:, c] @ mt_seg                                  # M_j^T = M_first^T ... M_last^T
+            z = torch.where(c < end, mt[:, c] @ z + b[:, c], z)
+        zs.append(z)
+        ms.append(mt_seg.mT)
+        exact.append(ex)
+    dht_seg = [b.new_zeros(n_seq, hv, kd, vd) if dht is None else dht.to(b.dtype)]
+    for j in range(J - 1, 0, -1):
+        chained = torch.where(exact[j][..., None, None], ms[j].mT @ dht_seg[0], 0)
+        dht_seg.insert(0, zs[j] + chained)                              # dht_{j-1} = dZ_j + M_j^T dht_j
+    return torch.stack(dht_seg, 1), torch.stack(zs, 1), torch.stack(ms, 1)

@@ -6,14 +6,18 @@ it won), the segment table (every token in exactly one segment), each segment's
 first chunk row, the warm-up counts against a brute-force count, the device-side fallback where
 the bound's conditions fail, the chaining of phase 2 against a loop, the reference's exact
 chaining against the recurrence, and the bound itself in float64
-(||approximated - exact|| <= exp(log decay over the window) ||state where the window starts||).
+(||approximated - exact|| <= exp(log decay over the window) ||state where the window starts||);
+for the backward, the reference's segment gradients: M_j, the exact reverse chain, dZ_j as the
+segment run alone, and windows from each segment's start within the same bound.
 GPU, for each stage (s06: s05's kernel as the chain; s08: s07's; s11: s10's): CP on against CP
 off (each head's error against float64), varlen with many segments, bitwise determinism, and
 CUDA-graph capture and replay of the whole forward.
 """
 
 import functools
+import inspect
 import math
+import textwrap
 
 import pytest
 import torch
@@ -444,6 +448,270 @@ def test_warmup_error_within_the_bound_in_float64(threshold):
                 bound = torch.exp(window) * states[n, j * L - ww, h].norm()
                 assert err[n, j, h] <= bound * (1 + 1e-9) + 1e-12 * scale, (n, j, h)
     assert n_warm > 0
+
+
+# ---- backward AutoCP: the reference's segment gradients, in float64 -----------------------------
+#
+# The backward's chain runs the other way: segment j's gradient at its start needs dht_j, the
+# gradient of the state leaving it, which the later segments produce. ref.segment_state_grads
+# gives per segment dZ_j (the reverse walk from zero over segment j, or over a window of its first
+# chunks) and its transition M_j, chained as dht_{j-1} = dZ_j + M_j^T dht_j. Checked: M_j is the
+# forward's, the exact chain is the reverse recurrence (per chunk and against autograd of the
+# naive recurrence), dZ_j is the walk of segment j alone (its plan row run as a sequence), and the
+# windows (counted from each segment's start, the backward counterpart of autocp.warmup's) are
+# within the forward's bound. Each check fails on a one-line mutant of segment_state_grads.
+
+BWD_SMALL = SMALL + [Problem(1, 2, (700, 130), K=16, V=16, initial_state=False)]
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny float64 ops: a second intra-op thread only adds synchronization, which
+    costs 4x on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def bwd_inputs(problem):
+    """Float64 inputs, the solve's Ab and flags, and do, dht drawn with a fixed seed."""
+    x = cast_floats(problem.inputs(), F64)
+    g_cum = ref.chunk_local_cumsum(x["g"], x["cu_seqlens"])
+    Ab, gated = ref.flagged_solve(x["k"], g_cum, x["beta"], x["cu_seqlens"])
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=F64)
+    dht = torch.randn(len(problem.lengths), problem.HV, problem.K, problem.V, generator=gen, dtype=F64)
+    return x, dict(q=x["q"], k=x["k"], g_cum=g_cum, Ab=Ab, gated=gated, do=do, dht=dht,
+                   cu_seqlens=x["cu_seqlens"])
+
+
+def segment_grads(problem, L, warmup_chunks=None):
+    _, a = bwd_inputs(problem)
+    return ref.segment_state_grads(a["q"], a["k"], a["g_cum"], a["Ab"], a["gated"], a["do"], L, a["dht"],
+                                   cu_seqlens=a["cu_seqlens"], warmup_chunks=warmup_chunks)
+
+
+@functools.cache
+def dh_per_chunk(problem):
+    """[N, NT, HV, K, V]: chunk_bwd_dhu's gradient of the state leaving every chunk (dht past a
+    sequence's end, where the chunks are padding)."""
+    x, a = bwd_inputs(problem)
+    cu = x["cu_seqlens"]
+    w, _ = ref.chunk_fwd_intra(x["k"], x["v"], a["g_cum"], x["beta"], cu)
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], a["do"], a["g_cum"], cu_seqlens=cu)
+    dh = ref.chunk_bwd_dhu(x["q"], x["k"], w, a["g_cum"], None, a["dht"], a["do"], dv_local, cu_seqlens=cu)[0]
+    ch = ref.Chunking(*x["q"].shape[:2], cu, C, CPU)
+    return torch.where(ch.chunk_valid[..., None, None, None], ch.unpack_chunks(dh), a["dht"][:, None])
+
+
+def check_segment_transition(problem, L=3):
+    """M_j == the product of the forward's chunk transitions over segment j (identity past the end)."""
+    x, a = bwd_inputs(problem)
+    M = ref.chunk_transition(x["k"], a["g_cum"], x["beta"], x["cu_seqlens"])      # [N, NT, HV, K, K]
+    want = []
+    for j in range(-(-M.shape[1] // L)):
+        prod = torch.eye(problem.K, dtype=F64).expand_as(M[:, 0])
+        for c in range(j * L, min((j + 1) * L, M.shape[1])):
+            prod = M[:, c] @ prod
+        want.append(prod)
+    return rel_l2(segment_grads(problem, L)[2], torch.stack(want, 1))
+
+
+def check_gradient_chaining(problem, L=2):
+    """The exact chain: dht_seg[:, j] == the gradient leaving segment j's last chunk, per chunk."""
+    dh = dh_per_chunk(problem)
+    last = [min((j + 1) * L, dh.shape[1]) - 1 for j in range(-(-dh.shape[1] // L))]
+    return rel_l2(segment_grads(problem, L)[0], dh[:, last])
+
+
+def check_dz_is_the_segment_alone(problem, L=2):
+    """dZ_j == dh0 of dh_chain_cancelled run on the plan's segment rows as sequences, from zero."""
+    x, a = bwd_inputs(problem)
+    B, T = x["q"].shape[:2]
+    p = autocp.plan(x["cu_seqlens"], B, T, problem.HV, 132, 2, CPU, force=L)
+    bounds = p.bounds.long()
+    real = bounds[1:] > bounds[:-1]                                    # rows with tokens
+    flat = {n: a[n].reshape(1, B * T, *a[n].shape[2:]) for n in ("q", "k", "g_cum", "Ab", "do")}
+    zero = torch.zeros(bounds.shape[0] - 1, *a["dht"].shape[1:], dtype=F64)
+    _, dz_rows = ref.dh_chain_cancelled(**flat, gated=a["gated"].reshape(1, -1, problem.HV), dht=zero,
+                                        cu_seqlens=bounds)
+    dz = segment_grads(problem, L)[1]                                 # [N, J, HV, K, V]
+    slots = p.slot_of_segment[real]
+    return rel_l2(dz_rows[real], dz[slots % p.num_seqs, slots // p.num_seqs])
+
+
+@functools.cache
+def naive_segment_grads(problem, L):
+    """[N, J - 1, HV, K, V]: dL/d(state after (j + 1) L chunks), by autograd of the naive
+    recurrence on the rest of the tokens started from that state (an equal-length batch)."""
+    x, a = bwd_inputs(problem)
+    grads = []
+    for t0 in range(L * C, x["q"].shape[1], L * C):
+        head = {**x, **{n: x[n][:, :t0] for n in ("q", "k", "v", "g", "beta")}, "output_final_state": True}
+        state = ref.naive_recurrent_gated_delta_rule(**head)[1].clone().requires_grad_()
+        tail = {**head, **{n: x[n][:, t0:] for n in ("q", "k", "v", "g", "beta")}, "initial_state": state}
+        o, final = ref.naive_recurrent_gated_delta_rule(**tail)
+        grads.append(torch.autograd.grad((o * a["do"][:, t0:]).sum() + (final * a["dht"]).sum(), state)[0])
+    return torch.stack(grads, 1)
+
+
+def check_gradient_chaining_against_naive(problem, L=2):
+    """dht_seg[:, j] == naive_segment_grads for every segment but the last."""
+    want = naive_segment_grads(problem, L)
+    return rel_l2(segment_grads(problem, L)[0][:, :want.shape[1]], want)
+
+
+def brute_force_bwd_windows(g_cum, lengths, L, threshold):
+    """{(n, j, head): (chunks, exact)} for segments j >= 1: walking chunk by chunk forward from the
+    segment's start until the chunks' log decays sum to <= threshold (within the segment's real
+    chunks and MAX_WARMUP_CHUNKS), exact where they never do."""
+    out, t0 = {}, 0
+    for n, length in enumerate(lengths):
+        for j in range(1, math.ceil(length / (C * L))):
+            s = t0 + j * C * L
+            real = min(L, math.ceil((t0 + length - s) / C))
+            for h in range(g_cum.shape[1]):
+                total, w = 0.0, None
+                for i in range(min(real, autocp.MAX_WARMUP_CHUNKS)):
+                    total += float(g_cum[min(s + C * (i + 1), t0 + length) - 1, h])
+                    if total <= threshold:
+                        w = i + 1
+                        break
+                out[(n, j, h)] = (L, True) if w is None else (w, False)
+        t0 += length
+    return out
+
+
+BWD_WINDOWS = (Problem(2, 8, (2500, 1300, 700), K=16, V=16), 4)
+
+
+def check_backward_windows_within_the_bound(threshold, n_warm_min=1):
+    """The windows, applied by segment_state_grads, on every real segment i of every sequence:
+    its last segment gets dht itself; the others' dht_i comes from slot i + 1, a window head's
+    within exp(log decay over the window) x the norm of the true gradient where the window ends,
+    an exact head's off only by what M_{i+1}^T carries of dht_{i+1}'s error. Returns the worst
+    excess over the bound, relative to the true dht_i's norm."""
+    problem, L = BWD_WINDOWS
+    x, a = bwd_inputs(problem)
+    N, HV = len(problem.lengths), problem.HV
+    B, T = x["q"].shape[:2]
+    windows = brute_force_bwd_windows(a["g_cum"].reshape(B * T, HV), problem.lengths, L, threshold)
+    dh = dh_per_chunk(problem)
+    J = -(-dh.shape[1] // L)
+    w = torch.zeros(N, J, HV, dtype=torch.long)                     # 0: no window (slots past the end)
+    for (n, j, h), (chunks, exact) in windows.items():
+        w[n, j, h] = -1 if exact else chunks
+    approx = segment_grads(problem, L, w)[0]
+    want = dh[:, [min((j + 1) * L, dh.shape[1]) - 1 for j in range(J)]]
+    err = (approx - want).flatten(3).norm(dim=-1)                      # [N, J, HV]
+    decay = ref.Chunking(B, T, x["cu_seqlens"], C, CPU).pad(x["g"]).sum(2)      # [N, NT, HV]
+    worst, n_warm = 0.0, 0
+    for n, length in enumerate(problem.lengths):
+        segments = math.ceil(length / (C * L))
+        for i in range(segments):
+            for h in range(HV):
+                if i == segments - 1:
+                    bound = torch.zeros(())
+                elif windows[(n, i + 1, h)][1]:
+                    bound = torch.exp(decay[n, (i + 1) * L:(i + 2) * L, h].sum()) * err[n, i + 1, h]
+                else:
+                    n_warm += 1
+                    ww = windows[(n, i + 1, h)][0]
+                    window = decay[n, (i + 1) * L: (i + 1) * L + ww, h].sum()
+                    assert window <= threshold + 1e-5
+                    bound = torch.exp(window) * dh[n, (i + 1) * L + ww - 1, h].norm()
+                scale = want[n, i, h].norm()
+                worst = max(worst, float((err[n, i, h] - bound * (1 + 1e-9)) / scale))
+    assert n_warm >= n_warm_min
+    return worst
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("problem", BWD_SMALL, ids=lambda p: p.label)
+def test_backward_segment_transition_is_the_forwards(problem):
+    assert check_segment_transition(problem) < 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("problem", BWD_SMALL, ids=lambda p: p.label)
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_gradient_chaining_is_exact(problem, L):
+    assert check_gradient_chaining(problem, L) < 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("problem", BWD_SMALL, ids=lambda p: p.label)
+def test_dz_is_the_segment_run_alone(problem):
+    assert check_dz_is_the_segment_alone(problem) < 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gradient_chaining_against_autograd_of_the_recurrence():
+    assert check_gradient_chaining_against_naive(SMALL[2]) < 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("threshold", [-10.0, -4.0, -1.0])
+def test_backward_warmup_error_within_the_bound_in_float64(threshold):
+    assert check_backward_windows_within_the_bound(threshold) <= 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_backward_windows_take_both_paths():
+    """g = 0 heads never reach the threshold (exact), the strongly decaying ones in one chunk."""
+    problem, L = BWD_WINDOWS
+    _, a = bwd_inputs(problem)
+    g_cum = a["g_cum"].reshape(-1, problem.HV)
+    windows = brute_force_bwd_windows(g_cum, problem.lengths, L, autocp.THRESHOLD)
+    kind = {h: h % 4 for h in range(problem.HV)}
+    assert all(exact for (n, j, h), (w, exact) in windows.items() if kind[h] == 0)
+    assert all(w == 1 and not exact for (n, j, h), (w, exact) in windows.items() if kind[h] == 1)
+
+
+def segment_mutant(old: str, new: str):
+    """ref.segment_state_grads with the source text ``old`` replaced by ``new``: one deliberate bug."""
+    src = textwrap.dedent(inspect.getsource(ref.segment_state_grads))
+    assert src.count(old) == 1, old
+    namespace = {}
+    exec(compile(src.replace(old, new), "<mutant of segment_state_grads>", "exec"), vars(ref), namespace)
+    return namespace["segment_state_grads"]
+
+
+SEGMENT_BROKEN = {  # name: (old, new, checks it fails)
+    "M_j multiplied in the wrong order": (
+        "mt_seg = mt[:, c] @ mt_seg", "mt_seg = mt_seg @ mt[:, c]",
+        [check_segment_transition, check_gradient_chaining]),
+    "chained with M_j where M_j^T belongs": (
+        "ms[j].mT @ dht_seg[0]", "ms[j] @ dht_seg[0]",
+        [check_gradient_chaining, check_gradient_chaining_against_naive]),
+    "the segment walked forward": (
+        "for c in reversed(range(j * L, min((j + 1) * L, n_chunks))):",
+        "for c in range(j * L, min((j + 1) * L, n_chunks)):",
+        [check_dz_is_the_segment_alone, check_gradient_chaining]),
+    "window one chunk short": (
+        "j * L + w[:, j])[..., None, None]", "j * L + w[:, j] - 1)[..., None, None]",
+        [check_backward_windows_within_the_bound]),
+    "exact heads not chained": (
+        "chained = torch.where(exact[j][..., None, None], ms[j].mT @ dht_seg[0], 0)", "chained = 0",
+        [check_backward_windows_within_the_bound]),
+    "no window reaches the sequence's end": (
+        " | (j * L + w[:, j] >= seq_chunks)", "", [check_backward_windows_within_the_bound]),
+}
+SEGMENT_BROKEN_CASES = [(name, check) for name, (_, _, checks) in SEGMENT_BROKEN.items() for check in checks]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name, check", SEGMENT_BROKEN_CASES,
+                         ids=[f"{n}-{c.__name__}" for n, c in SEGMENT_BROKEN_CASES])
+def test_segment_check_fails_on_broken_variant(monkeypatch, name, check):
+    old, new, _ = SEGMENT_BROKEN[name]
+    monkeypatch.setattr(ref, "segment_state_grads", segment_mutant(old, new))
+    if check is check_backward_windows_within_the_bound:
+        assert check(-10.0, n_warm_min=0) > 1e-3
+    else:
+        assert check(SMALL[2]) > 1e-3
 
 
 # ---- gdn_fwd.s06, s08, s11, s13, s15, s17, s18 and s20 on the GPU ------------------------------

@@ -1,15 +1,22 @@
 """The hand-derived chunked backward equals torch.autograd in float64: as a whole against the naive
-recurrence, and sub-step by sub-step against autograd of the forward sub-steps it inverts. Every
-check is also shown to fail when one sub-step is deliberately broken."""
+recurrence, and sub-step by sub-step against autograd of the forward sub-steps it inverts. The
+gate-free backward (chunk_bwd_gate_free, dh_chain_cancelled) equals both, gated chunks included.
+dg under strong decay, at a kernel's precision, stays within a fixed bound that catches staging
+fp32 through bf16. Every check is also shown to fail when one sub-step is deliberately broken."""
 
+import functools
 import inspect
+import itertools
+import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flashqla import reference as ref
 from flashqla.stages import OPS
-from flashqla.testing import Problem, cast_floats, check_op, op_inputs, rel_l2
+from flashqla.testing import (ADVERSARIAL, ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, adversarial_inputs,
+                              cast_floats, check_op, op_inputs, rel_l2)
 
 F64 = torch.float64
 
@@ -294,3 +301,334 @@ BROKEN_OPS = {
 def test_check_op_fails_on_broken_backward(op):
     with pytest.raises(AssertionError, match=f"{op}: wrong answer"):
         check_op(op, _in_float32(BROKEN_OPS[op]), op_inputs(op, BROKEN_PROBLEM.inputs()))
+
+
+# ---- the gate-free backward: chunk_bwd_gate_free and dh_chain_cancelled ----
+#
+# They read what the gate-free forward keeps (Ab, the gated flags, h), not w, u, Ai and v_new. Each
+# is checked against the chunked reference above and against autograd of the naive recurrence, at
+# GATE_FREE_TOL in float64: on PROBLEMS with the solve's own flags (none: the keys are normalized),
+# with chunks flagged at random and all flagged (both forms of Ab are exact while A_r is finite),
+# and on the adversarial inputs, whose unnormalized keys (beta ||k||^2 = 9) the solve flags: A_r
+# grows by 8 a token there, so the gated branch is the only one that holds. What they are compared
+# with (float64, never the functions under test) is computed once per problem.
+
+GATE_FREE_TOL = 1e-12
+ADVERSARIAL_SHAPE = dict(H=1, HV=2, lengths=(100, 1, 30), device="cpu")
+EQUAL_LENGTHS = Problem(2, 4, (150, 150), varlen=False, K=16, V=16)
+
+
+@functools.cache
+def case_inputs(label):
+    """Float64 inputs by label: an adversarial kind's at ADVERSARIAL_SHAPE, or a Problem's."""
+    if label in ADVERSARIAL:
+        return cast_floats(adversarial_inputs(label, **ADVERSARIAL_SHAPE), F64)
+    problems = PROBLEMS + [BROKEN_PROBLEM, EQUAL_LENGTHS]
+    return cast_floats(next(p for p in problems if p.label == label).inputs(), F64)
+
+
+@functools.cache
+def gate_free_inputs(label, flags="policy"):
+    """chunk_bwd_gate_free's keyword arguments for a problem: g_cum, Ab and gated from the solve's
+    policy (``flagged_solve``) or with chunks flagged at random or all, h from the reference
+    forward, do and dht as check_against_naive draws them."""
+    x = case_inputs(label)
+    q, k, v, g, beta, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    g_cum = ref.chunk_local_cumsum(g, cu)
+    Ab, gated = ref.flagged_solve(k, g_cum, beta, cu)
+    if flags != "policy":
+        ch = ref.Chunking(*k.shape[:2], cu, ref.CHUNK_SIZE, k.device)
+        shape = (ch.num_seqs, ch.num_chunks, beta.shape[2])
+        flag = (torch.ones(shape, dtype=torch.bool) if flags == "all"
+                else torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5)
+        free = ref._heads_first(ch.pad(ref.gate_free_solve(k, beta, cu)))
+        ai = ref._heads_first(ch.pad(ref.kkt_solve(ref.chunk_kkt(k, g_cum, beta, cu), cu)))
+        bc = ref._heads_first(ch.pad(beta))
+        Ab = ch.unpad(ref._tokens_first(torch.where(flag[..., None, None], ai * bc[..., None, :], free)))
+        gated = ch.pack_chunks(flag.to(torch.int32))
+    mid = forward_intermediates(x)
+    do, dht = randn_like(mid["v_new"], 1), randn_like(mid["final"], 2)
+    return dict(q=q, k=k, v=v, g_cum=g_cum, beta=beta, Ab=Ab, gated=gated, h=mid["h"], do=do, dht=dht,
+                cu_seqlens=cu)
+
+
+def _naive(**a):
+    return ref.naive_recurrent_gated_delta_rule(**a)
+
+
+def _with_h0(x, dht):
+    """x with a zero initial state where it has none: dh0 is a gradient either way."""
+    return x if x["initial_state"] is not None else {**x, "initial_state": torch.zeros_like(dht)}
+
+
+@functools.cache
+def naive_grads(label):
+    """Autograd of the naive recurrence for the problem's do and dht: {leaf: gradient}."""
+    x, a = case_inputs(label), gate_free_inputs(label)
+    return autograd(_naive, _with_h0(x, a["dht"]), LEAVES, (a["do"], a["dht"]))
+
+
+@functools.cache
+def chunked_grads(label):
+    """The chunked reference for the problem's do and dht: chunk_gated_delta_rule_bwd_ref's outputs
+    (dh0 None without an initial state), and chunk_bwd_dhu's dh and dh0."""
+    x, a = case_inputs(label), gate_free_inputs(label)
+    cu = x["cu_seqlens"]
+    grads = ref.chunk_gated_delta_rule_bwd_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], a["do"], a["dht"],
+                                               None, x["initial_state"], cu)
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], a["do"], a["g_cum"], cu_seqlens=cu)
+    chain = ref.chunk_bwd_dhu(x["q"], x["k"], forward_intermediates(x)["w"], a["g_cum"], a["dht"], a["dht"],
+                              a["do"], dv_local, cu_seqlens=cu)[:2]   # any initial_state: dh0 returned
+    return grads, chain
+
+
+def _cancelled_chain(a):
+    return ref.dh_chain_cancelled(a["q"], a["k"], a["g_cum"], a["Ab"], a["gated"], a["do"], a["dht"],
+                                  cu_seqlens=a["cu_seqlens"])
+
+
+def check_gate_free_against_reference(label, flags):
+    """chunk_bwd_gate_free == chunk_gated_delta_rule_bwd_ref (dh0 where there is an initial state)."""
+    got = ref.chunk_bwd_gate_free(**gate_free_inputs(label, flags))
+    return worst((gt, w) for gt, w in zip(got, chunked_grads(label)[0]) if w is not None)
+
+
+def check_gate_free_against_naive(label, flags):
+    """chunk_bwd_gate_free == autograd of naive_recurrent_gated_delta_rule (dh0 always)."""
+    got = dict(zip(LEAVES, ref.chunk_bwd_gate_free(**gate_free_inputs(label, flags))))
+    return worst((got[n], w) for n, w in naive_grads(label).items())
+
+
+def check_chain_against_reference(label, flags):
+    """dh_chain_cancelled == chunk_bwd_dhu: dh per chunk and dh0."""
+    return worst(zip(_cancelled_chain(gate_free_inputs(label, flags)), chunked_grads(label)[1]))
+
+
+def check_chain_against_naive(label, flags):
+    """dh_chain_cancelled's dh0 == autograd of the naive recurrence w.r.t. the initial state."""
+    return rel_l2(_cancelled_chain(gate_free_inputs(label, flags))[1], naive_grads(label)["initial_state"])
+
+
+@functools.cache
+def naive_dh_per_chunk(label):
+    """dL/d(state after c + 1 chunks) for every c, by autograd of the naive recurrence on the rest
+    of the tokens started from that state (an equal-length batch): [B, NT, HV, K, V]."""
+    x, a = case_inputs(label), gate_free_inputs(label)
+    grads = []
+    for t0 in range(ref.CHUNK_SIZE, x["q"].shape[1] + ref.CHUNK_SIZE, ref.CHUNK_SIZE):
+        t0 = min(t0, x["q"].shape[1])
+        state = _naive(**{**x, **{n: x[n][:, :t0] for n in LEAVES[:5]}})[1]
+        tail = {**x, **{n: x[n][:, t0:] for n in LEAVES[:5]}, "initial_state": state}
+        grads.append(autograd(_naive, tail, ["initial_state"], (a["do"][:, t0:], a["dht"]))["initial_state"])
+    return torch.stack(grads, 1)
+
+
+def check_chain_per_chunk_against_naive(label, flags):
+    """dh_chain_cancelled's dh == naive_dh_per_chunk."""
+    return rel_l2(_cancelled_chain(gate_free_inputs(label, flags))[0], naive_dh_per_chunk(label))
+
+
+GATE_FREE_CHECKS = [check_gate_free_against_reference, check_gate_free_against_naive,
+                    check_chain_against_reference, check_chain_against_naive]
+GATE_FREE_CASES = ([(p.label, "policy") for p in PROBLEMS] + [(PROBLEMS[0].label, "random"),
+                   (PROBLEMS[1].label, "random"), (PROBLEMS[2].label, "all")]
+                   + [(kind, "policy") for kind in ADVERSARIAL])
+
+
+@pytest.mark.parametrize("label, flags", GATE_FREE_CASES, ids=[f"{p} {f}" for p, f in GATE_FREE_CASES])
+@pytest.mark.parametrize("check", GATE_FREE_CHECKS, ids=lambda f: f.__name__)
+def test_gate_free_backward(check, label, flags):
+    assert check(label, flags) < GATE_FREE_TOL
+
+
+@pytest.mark.parametrize("flags", ["policy", "random"])
+def test_cancelled_chain_is_the_gradient_of_each_chunks_state(flags):
+    assert check_chain_per_chunk_against_naive(EQUAL_LENGTHS.label, flags) < GATE_FREE_TOL
+
+
+def test_gate_free_cases_take_both_branches():
+    """The policy flags some chunks of the unnormalized keys (odd heads) and none of the rest."""
+    flagged = {label: int(gate_free_inputs(label)["gated"].sum()) for label, _ in GATE_FREE_CASES}
+    assert flagged.pop("unnormalized_keys") > 0 and not any(flagged.values())
+
+
+# ---- every gate-free check fails on a broken variant: the same function with one line changed
+
+def mutant(fn, old: str, new: str):
+    """``fn`` (a function of flashqla.reference) with the source text ``old`` replaced by ``new``,
+    compiled in the module's namespace: one deliberate bug."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(old) == 1, f"{fn.__name__}: {old!r} is not in it exactly once"
+    namespace = {}
+    exec(compile(src.replace(old, new), f"<mutant of {fn.__name__}>", "exec"), vars(ref), namespace)
+    return namespace[fn.__name__]
+
+
+GATE_FREE_BROKEN = {  # name: (function, old, new, flags of the problem it is tried on, checks it fails)
+    "dk's state part: decay on the wrong side": (
+        "_gate_free_chunk_bwd", "dk_st = e_rev * (v_new", "dk_st = e * (v_new", "policy",
+        [check_gate_free_against_reference, check_gate_free_against_naive]),
+    "dv: A_g not transposed": (
+        "_gate_free_chunk_bwd", "dv = a_g.mT @ dv_new", "dv = a_g @ dv_new", "policy",
+        [check_gate_free_against_reference, check_gate_free_against_naive]),
+    "dL: A_r not transposed": (
+        "_gate_free_chunk_bwd", "a_r.mT @ (da_b * b_col) @ a_r.mT", "a_r @ (da_b * b_col) @ a_r", "policy",
+        [check_gate_free_against_reference, check_gate_free_against_naive]),
+    "gamma_C: exp(gamma_C) <dS', S> dropped": (
+        "_gate_free_chunk_bwd", "torch.exp(g_last[..., 0]) * (ds_t * s).sum((-1, -2)) + ", "", "policy",
+        [check_gate_free_against_reference, check_gate_free_against_naive]),
+    "mask term: M^T dropped": (
+        "_mask_dg", "(m - m.mT)", "m", "policy", [check_gate_free_against_reference]),
+    "gated flags ignored": (
+        "_gate_free_chunk_bwd", "a_g = torch.where(flag, ab, G * ab)", "a_g = G * ab", "random",
+        [check_gate_free_against_reference, check_gate_free_against_naive]),
+    "gated branch: d(L * Gamma) without beta": (
+        "_gate_free_chunk_bwd", "t.mT @ (da_g * b_col) @ t.mT", "t.mT @ da_g @ t.mT", "all",
+        [check_gate_free_against_reference]),
+    "chain: M where M^T belongs": (
+        "_cancelled_steps", "(eye - x.mT @ k)", "(eye - k.mT @ x)", "policy",
+        [check_chain_against_reference, check_chain_against_naive, check_chain_per_chunk_against_naive]),
+    "chain: R_g without tril's diagonal": (
+        "_cancelled_steps", "torch.where(causal, q @ k.mT, 0)", "torch.where(causal.tril(-1), q @ k.mT, 0)",
+        "policy", [check_chain_against_reference, check_chain_against_naive]),
+    "chain, gated: decay on the wrong side": (
+        "_cancelled_steps", "x_g.mT @ (e_rev * k)", "x_g.mT @ (e * k)", "all",
+        [check_chain_against_reference, check_chain_against_naive]),
+}
+GATE_FREE_BROKEN_CASES = [(name, check) for name, (*_, checks) in GATE_FREE_BROKEN.items()
+                          for check in checks]
+
+
+@pytest.mark.parametrize("name, check", GATE_FREE_BROKEN_CASES,
+                         ids=[f"{n}-{c.__name__}" for n, c in GATE_FREE_BROKEN_CASES])
+def test_gate_free_check_fails_on_broken_variant(monkeypatch, name, check):
+    attr, old, new, flags, _ = GATE_FREE_BROKEN[name]
+    monkeypatch.setattr(ref, attr, mutant(getattr(ref, attr), old, new))
+    label = EQUAL_LENGTHS.label if check is check_chain_per_chunk_against_naive else BROKEN_PROBLEM.label
+    assert check(label, flags) > 1e-3
+
+
+# ---- dg under strong decay: a fixed bound, and the fp32 bugs it catches ----
+#
+# FlashQLA's test heads (tests/test_gdr_unit.py at its commit 6e5d2ea): g = -exp(A_log)
+# softplus(a + dt_bias), exp(A_log) = 16, dt_bias = 1, a = 0.5 N(0, 1): about -21 a token. Then
+# G's off-diagonal is below e^-5.7 and dg is what remains of sums of O(1) terms that cancel to about
+# e^g of their size. The bound is fixed, not check_op's derived one, because the bf16 PyTorch
+# reference rounds every term of those sums to 8 bits: its dg is 2.2e3 off here (relative L2),
+# and 2x that admits any answer, the first bug below included. 0.02 (FlashQLA's RTOL) is set by
+# what a correct kernel reads: q, k, v, do in bf16 (they are the inputs, exact), the forward's Ab and
+# h as it stores them, in bf16, off by at most 2^-9 each, and fp32 for the rest and the arithmetic
+# (``kernel_precision_dg``). That gives dg, and the gradients of A_log and dt_bias through it,
+# within 1.6e-3 of float64 here (4.2e-3 at most on 18 problems of this kind while this test was
+# written), 1-2 x 2^-9; 0.02 is 10 x 2^-9. The bugs:
+#   M^T through bf16   the mask term's transpose staged through bf16 shared memory leaves
+#                      2^-9 |M_ii| on every row, against row sums near e^g |M_ii|: 7.6e2 here
+#                      (FlashQLA's bug, fixed in 6e5d2ea by moving fp32 as two 16-bit halves)
+#   the last row's pair  the state update's -x_i, +x_i for the chunk's last row formed and
+#                      cancelled in fp32 (``_gate_free_chunk_bwd``): dg 7.8e-3 but A_log's
+#                      gradient, a sum of dg over the tokens, 0.27 here (it fails 0.02 on 5 of
+#                      8 seeds of this shape and passes on the rest)
+
+DG_BOUND = 0.02
+STRONG_DECAY = dict(H=2, HV=4, lengths=(500, 130), K=64, seed=1)
+
+
+@functools.cache
+def strong_decay_problem():
+    """Varlen, GVA, initial state, every head with FlashQLA's strong decay; q, k, v, do in bf16."""
+    H, HV, lengths, K, seed = (STRONG_DECAY[n] for n in ("H", "HV", "lengths", "K", "seed"))
+    gen = torch.Generator().manual_seed(seed)
+    T, N = sum(lengths), len(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    bf16 = torch.bfloat16
+    return dict(q=ref.l2norm(randn(1, T, H, K)).to(bf16), k=ref.l2norm(randn(1, T, H, K)).to(bf16),
+                v=randn(1, T, HV, K).to(bf16), a=0.5 * randn(1, T, HV),
+                beta=torch.sigmoid(randn(1, T, HV)).float(), initial_state=randn(N, HV, K, K).float(),
+                do=randn(1, T, HV, K).to(bf16), dht=randn(N, HV, K, K).float(),
+                cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)]),
+                A_log=torch.full((HV,), 16.0, dtype=F64).log(), dt_bias=torch.ones(HV, dtype=F64))
+
+
+def strong_decay_g(p, A_log, dt_bias):
+    return -A_log.exp() * F.softplus(p["a"] + dt_bias)
+
+
+def dg_errors(dg) -> tuple[float, float, float]:
+    """Relative L2 errors of dg and of the gradients of A_log and dt_bias it gives, against float64."""
+    p = strong_decay_problem()
+
+    def chain(d):
+        leaves = [p[n].clone().requires_grad_() for n in ("A_log", "dt_bias")]
+        return torch.autograd.grad(strong_decay_g(p, *leaves), leaves, d.double())
+
+    want = strong_decay_want()[3]
+    return (rel_l2(dg, want), *(rel_l2(a, b) for a, b in zip(chain(dg), chain(want))))
+
+
+def _strong_decay_args(dtype):
+    p = strong_decay_problem()
+    g = strong_decay_g(p, p["A_log"], p["dt_bias"]).float()   # a kernel reads g in fp32
+    return (*(p[n].to(dtype) for n in ("q", "k", "v")), g.to(dtype), p["beta"].to(dtype), p["do"].to(dtype),
+            p["dht"].to(dtype), None, p["initial_state"].to(dtype), p["cu_seqlens"])
+
+
+@functools.cache
+def strong_decay_want():
+    return ref.chunk_gated_delta_rule_bwd_ref(*_strong_decay_args(F64))
+
+
+def kernel_precision_dg():
+    """chunk_bwd_gate_free's dg at a kernel's precision: fp32 arithmetic, q, k, v, do as given (bf16),
+    g_cum, beta, dht in fp32, Ab and h as the forward stores them (bf16, computed in float64)."""
+    q, k, v, g, beta, do, dht, _, h0, cu = _strong_decay_args(F64)
+    g_cum = ref.chunk_local_cumsum(g, cu)
+    Ab, gated = ref.flagged_solve(k, g_cum, beta, cu)
+    h = ref.chunk_h(k, *ref.chunk_fwd_intra(k, v, g_cum, beta, cu), g_cum, h0, False, cu)[0]
+    fp32 = [x.to(torch.bfloat16).float() if x is Ab or x is h else x.float()
+            for x in (q, k, v, g_cum, beta, Ab, h, do, dht)]
+    q, k, v, g_cum, beta, Ab, h, do, dht = fp32
+    return ref.chunk_bwd_gate_free(q, k, v, g_cum, beta, Ab, gated, h, do, dht, cu_seqlens=cu)[3]
+
+
+def hi_lo_transpose(m):
+    """M^T through 16-bit storage without rounding: fp32's top and bottom 16 bits transposed as two
+    tiles and joined again (FlashQLA's 6e5d2ea moves them through bf16 shared memory so)."""
+    bits = m.contiguous().view(torch.int32)
+    hi, lo = bits >> 16, bits & 0xFFFF
+    return ((hi.mT << 16) | lo.mT).contiguous().view(torch.float32)
+
+
+DG_VARIANTS = {  # name: (attribute of flashqla.reference, its replacement from the real one, passes)
+    "as written": (None, None, True),
+    "M^T as two 16-bit halves": ("_mask_dg", lambda real: lambda m: (m - hi_lo_transpose(m)).sum(-1), True),
+    "M^T through bf16": ("_mask_dg", lambda real: lambda m: (m - m.mT.to(torch.bfloat16).to(m.dtype)).sum(-1),
+                         False),
+    "the last row's pair in fp32": ("_gate_free_chunk_bwd", lambda real: mutant(
+        real, "< last[..., None], x_st, 0)", "<= last[..., None], x_st, 0)"), False),
+}
+
+
+@pytest.mark.parametrize("variant", DG_VARIANTS)
+def test_dg_under_strong_decay_within_the_fixed_bound(monkeypatch, variant):
+    attr, make, passes = DG_VARIANTS[variant]
+    if attr is not None:
+        monkeypatch.setattr(ref, attr, make(getattr(ref, attr)))
+    errors = dg_errors(kernel_precision_dg())
+    assert (max(errors) <= DG_BOUND) == passes, errors
+
+
+def test_hi_lo_transpose_is_exact():
+    m = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hi_lo_transpose(m), m.mT)
+
+
+def test_derived_bound_admits_the_bf16_transpose(monkeypatch):
+    """check_op's bound on dg, 2 x the bf16 PyTorch reference's error, lets the 6e5d2ea bug through."""
+    err_bf16 = rel_l2(ref.chunk_gated_delta_rule_bwd_ref(*_strong_decay_args(torch.bfloat16))[3],
+                      strong_decay_want()[3])
+    attr, make, _ = DG_VARIANTS["M^T through bf16"]
+    monkeypatch.setattr(ref, attr, make(getattr(ref, attr)))
+    assert DG_BOUND < dg_errors(kernel_precision_dg())[0] < TOLERANCE_FACTOR * max(err_bf16, ROUNDING_FLOOR)
