@@ -34,6 +34,13 @@ equal-length batches; B' = 1 and NT = sum over sequences of ceil(T_n / C) for va
 The backward (section "Backward", written by hand, not by autograd) is split the same way:
 chunk_bwd_dv_local, chunk_bwd_dhu (the reverse state recurrence), chunk_bwd_dqkwg, wy_bwd and
 chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref.
+
+The gate-free backward (section "The gate-free backward") computes the same gradients from what a
+fused backward reads, the forward's Ab with its gated flags and h: chunk_bwd_gate_free (one
+reverse walk, every gradient of a chunk in one step), dh_chain_cancelled (the gate-cancelled
+state-gradient recurrence) and segment_state_grads (backward AutoCP: each segment's dZ, its
+transition M and the reverse chain); flagged_solve gives Ab and the flags as the forward's solve
+does.
 """
 
 from __future__ import annotations
