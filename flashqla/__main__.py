@@ -1,11 +1,11 @@
-"""Command line: ``python -m flashqla tour`` and ``python -m flashqla bench``."""
+"""Command line: ``python -m flashqla tour``, ``python -m flashqla bench`` and ``python -m flashqla lablog``."""
 
 import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-from flashqla import bench, tour
+from flashqla import bench, lablog, tour
 
 
 def _commit() -> str:
@@ -37,9 +37,12 @@ def main(argv=None) -> int:
                               "CSV keeps the other rows of these problems (default: all)")
     p_bench.add_argument("--report", action="store_true",
                          help="only redraw the plot and the README table from the CSV (any machine)")
+    sub.add_parser("lablog", help="write the book's Lab log page (book/lab_log.md) from kernels/lab_log.csv")
     args = parser.parse_args(argv)
     if args.command == "tour":
         return tour.main(args.plot)
+    if args.command == "lablog":
+        return lablog.main()
     heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
     return bench.main(args.commit or _commit(), args.csv, args.report, heads, args.mode, args.problems,
                       args.rows)
