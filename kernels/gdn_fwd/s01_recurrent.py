@@ -48,7 +48,7 @@ is what the chunked form removes. Register prefetch instead of staging: one toke
 consumer: within 3%. 16 lanes a column (BV = 8): 2.99 / 1.58 ms; 4 lanes a column (BV = 32):
 2.78 / 2.86 ms.
 
-Taught in: notebooks/03_forward_kernels.py (to come).
+Taught in: notebooks/03_forward_kernels.py.
 """
 
 import functools

@@ -1,8 +1,9 @@
 """gdn_fwd, stage 02: the chunked forward as separate TileLang kernels, one per reference sub-step.
 
 What changed from s01 (the recurrence): the sequence is cut into chunks of C = 64 tokens and the
-work is rewritten as matrix products (``flashqla.reference``, notebook 02), which run on the
-tensor cores (wgmma) and in parallel over every chunk; only the chain of T / 64 state updates
+work is rewritten as matrix products (``flashqla.reference``, notebooks/02_chunked_form.py),
+which run on the tensor cores (wgmma) and in parallel over every chunk; only the chain of T / 64
+state updates
 stays sequential. Each sub-step is its own stage, checked on its own against its reference, and
 this stage only chains them, exactly as ``reference.chunk_gated_delta_rule_ref`` chains the
 references:

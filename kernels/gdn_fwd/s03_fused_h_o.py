@@ -53,7 +53,7 @@ tensor cores (tensor pipe busy 18 % of the time), DRAM at 20 % of peak, 18.6 % a
 (one 384-thread CTA per SM: 168 registers a thread, 153 KB of shared memory), top stall
 long_scoreboard: it is neither compute- nor memory-bound but latency-bound along the chunk chain.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: notebooks/03_forward_kernels.py.
 """
 
 import functools

@@ -65,7 +65,7 @@ FLA 1.78, FlashQLA 0.64); on (16, 32) 1 x 32768 2.58 against s05's 2.12. The gai
 preparation: the gate-free solve replaces chunk_kkt, kkt_solve and chunk_w_u. Next: the chain in a warpgroup of its own (s05's organization), where the
 extra product can overlap the output work.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: notebooks/04_reformulation.py.
 """
 
 import functools

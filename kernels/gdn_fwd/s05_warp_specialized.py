@@ -79,7 +79,7 @@ Nsight Compute (``profiles/ncu_lab.py``, (16, 64) 1 x 8192,
 cores (busy 27 % of the time), DRAM 33 % of peak, 24.8 % achieved occupancy (one 512-thread CTA
 per SM, 186 KB of shared memory), top stall long_scoreboard: still latency-bound.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: notebooks/05_warp_specialization.py.
 """
 
 import functools

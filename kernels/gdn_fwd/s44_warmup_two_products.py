@@ -67,7 +67,7 @@ error, on plain, flagged (gated chunks in exact windows) and broken inputs (cd21
 on against off per head, determinism and graph replay (71f4b9e); the public shapes (fbf3c07);
 the library's forward bit for bit this stage's (test_promoted, fbf3c07).
 
-Taught in: notebooks/06_autocp.py (section 18, phase 1 on two products)
+Taught in: notebooks/06_autocp.py.
 """
 
 import functools
