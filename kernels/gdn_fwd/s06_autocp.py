@@ -1,9 +1,9 @@
 """gdn_fwd, stage 06: AutoCP, long sequences cut into segments whose chains run in parallel.
 
-What changed from the chain stage it builds on (``CHAIN``, s05's warp-specialized fused chain +
-output kernel; the measurements below ran it on s03's, which s05 replaced with the same interface):
-nothing in that kernel; it now runs over segments of L chunks instead of whole sequences, as one
-varlen problem whose "sequences" are the segments, each started from its own initial state. Why:
+What it adds over s05, the previous milestone: context parallelism on one GPU. s05's kernel
+(``CHAIN``; the measurements below ran it on s03's, which s05 replaced with the same interface) is
+unchanged; it now runs over segments of L chunks instead of whole sequences, as one varlen problem
+whose "sequences" are the segments, each started from its own initial state. Why:
 the chain is one sequential walk per (sequence, value head), so (2, 8) on one sequence of 32768
 tokens runs 16 CTAs on 132 SMs, each 512 chunks long. With AutoCP it runs 8 segments x 16 CTAs, 64
 chunks each. How the initial states come (``flashqla.autocp``; derivation in
