@@ -18,9 +18,11 @@ def _commit() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashqla")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_tour = sub.add_parser("tour", help="run every stage this machine supports, check and time it")
+    p_tour = sub.add_parser("tour", help="run the course path's stages this machine supports, check and time them")
     p_tour.add_argument("--plot", type=Path, default=Path("flashqla-tour.png"),
                         help="where to save the plot (default: %(default)s)")
+    p_tour.add_argument("--all", action="store_true",
+                        help="every stage under kernels/, not only the milestones")
     p_bench = sub.add_parser("bench", help="time every forward (or training-step) stage, FLA and FlashQLA (GPU)")
     p_bench.add_argument("--csv", type=Path, default=None,
                          help="results file (default: profiles/results/gdn_fwd.csv)")
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     sub.add_parser("lablog", help="write the book's Lab log page (book/lab_log.md) from kernels/lab_log.csv")
     args = parser.parse_args(argv)
     if args.command == "tour":
-        return tour.main(args.plot)
+        return tour.main(args.plot, args.all)
     if args.command == "lablog":
         return lablog.main()
     heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
