@@ -191,8 +191,13 @@ def _stretch_title(start: str, milestone: str) -> str:
 
 
 def main(path: Path = PAGE) -> int:
+    """``python -m flashqla lablog``: write the page; 2 outside a checkout (no kernels/, no book/)."""
     from flashqla.stages import discover
 
+    if not (DATA.exists() and path.parent.is_dir()):
+        print(f"python -m flashqla lablog: needs a checkout of the repository ({DATA} and {path.parent}/); "
+              "clone it and run `python3 -m pip install -e .` from its root")
+        return 2
     path.write_text(page(read(), discover()))
     print(f"wrote {path}")
     return 0
