@@ -134,7 +134,7 @@ def page(entries: list[Entry], stages: list[Stage]) -> str:
         "Every number is quoted from the stage's docstring (its \"Measured effect\", with the card, "
         "the commit and the problems) or from `profiles/results/`. A ratio of times below 1 is "
         "faster; a ratio of speeds above 1 is. Problems are written (H, HV) N x T: key and value "
-        "heads, sequences x tokens, K = V = 128.",
+        "heads, sequences x tokens, K = V = 128. In a row, a bare sNN is a stage of the same op.",
         "",
         "This page is generated from `kernels/lab_log.csv` by `python -m flashqla lablog`; "
         "`tests/test_lab_log.py` checks that every stage has exactly one row and that the page is "
