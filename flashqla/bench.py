@@ -24,8 +24,9 @@ percentage of the roofs measured in the same run (an 8192^3 bf16 matmul, a 1 GiB
 
 Before timing, every flashqla row (not the peers') is checked against the float64 reference
 (``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
-reported as FAILED and not timed. ``python -m flashqla bench --report`` redraws the plot and the
-README table from the committed CSV, on any machine.
+reported as FAILED and not timed. ``python -m flashqla bench --report`` redraws, on any machine,
+from the committed CSVs: the plots, the book's Results page (every problem) and the README's
+summary (per head layout).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import functools
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -293,7 +295,7 @@ def train_candidates() -> list[tuple[str, object, object]]:
 class Mode:
     """What one benchmark times: its rows, the reference that checks them, its napkin math."""
 
-    name: str               # the CSV's stem and the README's markers
+    name: str               # the CSV's stem and the Results page's markers
     title: str
     problems: tuple
     candidates: object      # () -> [(row name, fn(inputs), checked against the reference?)]
@@ -438,67 +440,208 @@ def provenance(rows: list[dict]) -> dict:
     return meta
 
 
-def readme_table(rows: list[dict], mode: Mode = FORWARD) -> str:
-    """Markdown: per problem, ms of each row and the best flashqla stage against both baselines."""
-    last = {mode.peers[1]: 2, API_ROW: 3}  # FLA, the stages in order, FlashQLA, the API
-    impls = sorted(dict.fromkeys(r["impl"] for r in rows),
-                   key=lambda i: (0, "") if i == mode.peers[0] else (last.get(i, 1), i))
-    meta = provenance(rows)
-    head = ("| problem | " + " | ".join(impls)
-            + " | best flashqla stage | vs FLA | vs FlashQLA | x floor |\n" + "|" + "---|" * (len(impls) + 5))
-    lines = [f"{mode.title.capitalize()}, ms (median, {meta['gpu']}, driver {meta['driver']}, "
-             f"CUDA {meta['cuda']}, "
-             f"torch {meta['torch']}, TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla "
-             f"{meta['flash_qla']}, commit {meta['commit']}, {meta['date']}; roofs measured in the "
-             f"same process: bf16 GEMM {meta['gemm_roof_tflops']} TFLOP/s, copy {meta['copy_roof_gbs']} "
-             "GB/s). x floor: the best stage's time over the card's floor for this work. Timing, TFLOP/s, "
-             f"GB/s and % of roofs per row in `profiles/results/{mode.name}.csv`.", "", head]
-    for label in dict.fromkeys(r["problem"] for r in rows):
-        got = {r["impl"]: r for r in rows if r["problem"] == label}
-        ours = [r for name, r in got.items() if name not in (*mode.peers, API_ROW) and r["ms"]]
-        best = min(ours, key=lambda r: float(r["ms"])) if ours else None
-        cells = [got[i]["ms"] if i in got and got[i]["ms"] else "-" for i in impls]
-        tail = ([best["impl"].split("/")[1], best["vs_fla"] or "-", best["vs_flashqla"] or "-",
-                 best["x_floor"]] if best else ["-"] * 4)
-        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(tail) + " |")
+# --- the report: README summary, the book's Results page and the plots, from the committed CSVs ---
+
+BOOK = RESULTS.parent.parent / "book"
+RESULTS_PAGE = BOOK / "results.md"
+PLOTS = BOOK / "images"  # copies of the plots, inside the book's source tree where Sphinx finds them
+GRAPH = "CUDA graph replay"
+
+
+def stage_id(impl: str) -> str:
+    """'gdn_fwd/s44_warmup_two_products' -> 'gdn_fwd.s44'; 'fwd + gdn_bwd/s02_fused_walks' ->
+    'fwd + gdn_bwd.s02'; peers and the API unchanged."""
+    return re.sub(r"(\w+)/s(\d\d)_\w+", r"\1.s\2", impl)
+
+
+def _by_problem(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """problem label -> impl -> row, problems in the CSV's order, rows without a time left out."""
+    out = {}
+    for r in rows:
+        if r["ms"]:
+            out.setdefault(r["problem"], {})[r["impl"]] = r
+    return out
+
+
+def api_ratios(rows: list[dict], mode: Mode = FORWARD) -> dict[str, tuple[float, float]]:
+    """Per problem, (FLA's time, FlashQLA's time) over the API's: above 1, the API is faster.
+    A ratio compares rows of one run only (same commit and GPU); anything else raises."""
+    out = {}
+    for label, got in _by_problem(rows).items():
+        missing = [name for name in (API_ROW, *mode.peers) if name not in got]
+        if missing:
+            raise ValueError(f"bench report: {mode.name}.csv has no time for {missing} on {label}")
+        api = got[API_ROW]
+        for peer in mode.peers:
+            if (got[peer]["commit"], got[peer]["gpu"]) != (api["commit"], api["gpu"]):
+                raise ValueError(f"bench report: on {label} the API row ({api['commit']}, {api['gpu']}) "
+                                 f"and {peer}'s ({got[peer]['commit']}, {got[peer]['gpu']}) are not "
+                                 "from one run: time them together (`bench --problems ... --rows ...`)")
+        out[label] = tuple(float(got[peer]["ms"]) / float(api["ms"]) for peer in mode.peers)
+    return out
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def _mixes(labels) -> str:
+    """The token mixes of these problem labels, e.g. '1x8192, 1x32768, 8x4096'."""
+    return ", ".join(dict.fromkeys(short_label(x).split(") ", 1)[1] for x in labels))
+
+
+def summary_table(runs: dict[str, list[dict]]) -> str:
+    """Markdown for the README: per head layout (H, HV), the API's speed against FLA and FlashQLA
+    in each mode (``runs``: mode name -> its CSV rows), geomean over the layout's problems (min-max),
+    with the cards and commits named."""
+    modes = [MODES[name] for name in runs]
+    ratios = {m.name: api_ratios(runs[m.name], m) for m in modes}
+    layouts = sorted({heads_and_lengths(x)[:2] for r in ratios.values() for x in r})
+
+    def cell(mode, layout, i):
+        vals = [v[i] for x, v in ratios[mode.name].items() if layout in (None, heads_and_lengths(x)[:2])]
+        return f"{geomean(vals):.2f}x ({min(vals):.2f}-{max(vals):.2f})" if vals else "-"
+
+    lines = ["Speed of `flashqla.chunk_gated_delta_rule` against FLA and FlashQLA: their time over ours "
+             "(above 1: faster), the geometric mean over a head layout's problems, the range in "
+             "brackets. Each ratio compares rows timed in one run.", ""]
+    for m in modes:
+        api = [r for r in runs[m.name] if r["impl"] == API_ROW and r["ms"]]
+        per_layout = len(ratios[m.name]) // len({heads_and_lengths(x)[:2] for x in ratios[m.name]})
+        commits = list(dict.fromkeys(r["commit"][:7] for r in api))
+        lines.append(f"- {m.title.capitalize()}: {per_layout} problems a layout ({_mixes(ratios[m.name])} "
+                     f"tokens) on {provenance(api)['gpu']}, commit{'s' * (len(commits) > 1)} "
+                     f"{', '.join(commits)}.")
+    lines += ["", "| (H, HV) | " + " | ".join(f"{m.title.split(' (')[0]} vs {peer}" for m in modes
+                                           for peer in ("FLA", "FlashQLA")) + " |",
+              "|---" * (1 + 2 * len(modes)) + "|"]
+    for layout in [*layouts, None]:
+        name = f"({layout[0]}, {layout[1]})" if layout else f"all {len(layouts)}"
+        lines.append(f"| {name} | " + " | ".join(cell(m, layout, i) for m in modes for i in (0, 1)) + " |")
     return "\n".join(lines)
 
 
-def markers(mode: Mode = FORWARD) -> tuple[str, str]:
-    """The README comments between which ``mode``'s table is regenerated."""
-    return f"<!-- bench:{mode.name}:begin -->", f"<!-- bench:{mode.name}:end -->"
+def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
+    """Markdown for the Results page: every problem with its useful work, FLA, FlashQLA and the API
+    (ms, ratios, napkin math) and the fastest flashqla stage, then the provenance of every row shown."""
+    ratios = api_ratios(rows, mode)
+    shown, best_rows = [], []
+    lines = ["| problem | GFLOP | MB | FLA ms | FlashQLA ms | API ms | vs FLA | vs FlashQLA | "
+             "API TFLOP/s (% GEMM roof) | API GB/s (% copy roof) | API x floor | fastest stage: ms (commit) |",
+             "|---" * 12 + "|"]
+
+    def ms(r):
+        return r["ms"] + ("" if r["method"] == GRAPH else " †")
+
+    for label, got in _by_problem(rows).items():
+        H, HV, lengths = heads_and_lengths(label)
+        p = Problem(H, HV, tuple(lengths))
+        fla, flashqla, api = (got[name] for name in (*mode.peers, API_ROW))
+        stages = [r for name, r in got.items() if name not in (*mode.peers, API_ROW)]
+        best = min(stages, key=lambda r: float(r["ms"])) if stages else None
+        shown += [fla, flashqla, api]
+        best_rows += [best] if best else []
+        lines.append(
+            f"| {short_label(label)} | {mode.flops(p) / 1e9:.1f} | {mode.bytes(p) / 1e6:.0f} | {ms(fla)} | "
+            f"{ms(flashqla)} | {ms(api)} | {ratios[label][0]:.2f} | {ratios[label][1]:.2f} | "
+            f"{api['tflops']} ({api['pct_gemm_roof']} %) | {api['gbs']} ({api['pct_copy_roof']} %) | "
+            f"{api['x_floor']} | "
+            + (f"{stage_id(best['impl'])}: {ms(best)} ({best['commit'][:7]}) |" if best else "- |"))
+    methods = dict.fromkeys(r["method"] for r in shown + best_rows if r["method"] != GRAPH)
+    if methods:
+        lines += ["", "† " + "; ".join(methods) + "."]
+    meta = provenance(shown + best_rows)
+    lines += ["", f"Software: driver {meta['driver']}, CUDA {meta['cuda']}, torch {meta['torch']}, "
+              f"TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla {meta['flash_qla']}. "
+              f"Every time is a median; {GRAPH} unless marked †. Runs:", ""]
+    for commit in dict.fromkeys(r["commit"] for r in shown + best_rows):
+        of = [r for r in shown + best_rows if r["commit"] == commit]
+        run = provenance(of)
+        roles = [f"{role} on {n} problems" for role, n in (
+            ("FLA, FlashQLA and the API", sum(r["impl"] == API_ROW for r in of)),
+            ("the fastest stage", sum(r in best_rows for r in of))) if n]
+        lines.append(f"- `{commit[:7]}` ({run['date']}, {run['gpu']}; roofs measured in the same "
+                     f"process: bf16 GEMM {run['gemm_roof_tflops']} TFLOP/s, copy {run['copy_roof_gbs']} "
+                     f"GB/s): " + "; ".join(roles) + ".")
+    return "\n".join(lines)
 
 
-def update_readme(rows: list[dict], mode: Mode = FORWARD, readme: Path = README) -> None:
-    text = readme.read_text()
-    begin, end = markers(mode)
-    start, stop = text.index(begin) + len(begin), text.index(end)
-    readme.write_text(text[:start] + "\n" + readme_table(rows, mode) + "\n" + text[stop:])
+def replace_between(text: str, name: str, block: str) -> str:
+    """``text`` with what lies between ``<!-- bench:NAME:begin -->`` and its end marker replaced by
+    ``block``."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"bench report: the markers {begin} and {end} are missing")
+    return text[:text.index(begin) + len(begin)] + "\n" + block + "\n" + text[text.index(end):]
+
+
+def between(text: str, name: str) -> str:
+    """What lies between the ``bench:NAME`` markers, stripped."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+# the plots' series: the peers and the API, then the milestones of the course path in their colours
+STYLE = {"FLA": ("0.3", "s"), FLASHQLA_ROW: ("tab:red", "D"), API_ROW: ("tab:blue", "o")}
+MILESTONE_STYLES = (("tab:green", "v"), ("tab:orange", "^"), ("tab:purple", "<"), ("tab:brown", ">"),
+                    ("tab:pink", "P"), ("tab:olive", "X"), ("tab:cyan", "*"))
+
+
+def plot_series(rows: list[dict], mode: Mode = FORWARD) -> dict[str, tuple[str, str, str]]:
+    """impl -> (legend label, colour, marker): FLA, FlashQLA, the API and the milestone stages."""
+    from flashqla.stages import MILESTONES
+
+    impls = dict.fromkeys(r["impl"] for r in rows)
+    series = {mode.peers[0]: ("FLA", *STYLE["FLA"]), FLASHQLA_ROW: ("FlashQLA", *STYLE[FLASHQLA_ROW]),
+              API_ROW: ("flashqla (the API)", *STYLE[API_ROW])}
+    milestones = [i for i in impls if stage_id(i).removeprefix("fwd + ") in MILESTONES]
+    assert len(milestones) <= len(MILESTONE_STYLES), f"more milestones than styles: {milestones}"
+    for impl, style in zip(milestones, MILESTONE_STYLES):
+        series[impl] = (stage_id(impl), *style)
+    return series
 
 
 def plot(rows: list[dict], path: Path, mode: Mode = FORWARD) -> None:
-    """Latency against problem, one line per implementation, log scale."""
+    """Latency against problem (log scale): the peers, the API and the milestone stages."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(r["problem"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(labels)), 5))
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        pts = [(labels.index(r["problem"]), float(r["ms"])) for r in rows
-               if r["impl"] == impl and r["ms"]]
-        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, lw=1, label=impl)
+    title = mode.title.split(" (")[0]
+    fig, ax = plt.subplots(figsize=(max(10, 0.3 * len(labels)), 5))
+    for impl, (name, colour, marker) in plot_series(rows, mode).items():
+        pts = [(labels.index(r["problem"]), float(r["ms"])) for r in rows if r["impl"] == impl and r["ms"]]
+        api = impl == API_ROW  # drawn wide and pale underneath: the stage it runs shows on top of it
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, color=colour, label=name,
+                ms=7 if api else 5, lw=4 if api else 1, alpha=0.5 if api else 1, zorder=1 if api else 2)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(labels)), [short_label(x) for x in labels], rotation=90, fontsize=6)
-    ax.set_ylabel(f"{mode.title}, ms (log)")
-    runs = provenance(rows)
-    ax.set_title(f"gdn {mode.title} on {runs['gpu']} ({runs['date']}, commit {runs['commit']})",
-                 fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_xticks(range(len(labels)), [short_label(x) for x in labels], rotation=90, fontsize=7)
+    ax.set_ylabel(f"{title}, ms (log)")
+    api = provenance([r for r in rows if r["impl"] == API_ROW])
+    ax.set_title(f"gdn {title}, {api['gpu']}; the API and the peers at {api['commit']}", fontsize=9)
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
+
+
+def report(results: Path = RESULTS, readme: Path = README, page: Path = RESULTS_PAGE,
+           images: Path = PLOTS) -> None:
+    """Redraw everything the committed CSVs feed: each mode's plot (``results/<mode>.png``, copied
+    into the book), its table on the Results page, and the README's summary."""
+    runs = {name: read_csv(results / f"{name}.csv") for name in MODES}
+    text = page.read_text()
+    images.mkdir(exist_ok=True)
+    for name, rows in runs.items():
+        plot(rows, results / f"{name}.png", MODES[name])
+        shutil.copyfile(results / f"{name}.png", images / f"{name}.png")
+        text = replace_between(text, name, results_table(rows, MODES[name]))
+    page.write_text(text)
+    readme.write_text(replace_between(readme.read_text(), "summary", summary_table(runs)))
 
 
 def short_label(label: str) -> str:
@@ -553,33 +696,25 @@ def merge_rows(old: list[dict], new: list[dict], problems=PROBLEMS, rows_timed=N
     return sorted(rows, key=lambda r: order.get(r["problem"], len(order)))  # stable: rows keep order
 
 
-def main(commit: str, csv_path: Path | None, report: bool, heads=None, mode: str = "gdn_fwd",
-         labels=None, row_names=None) -> int:
-    """``heads``: only the problems of these (H, HV); ``labels``: only these problems (short
-    labels, ``short_label``); ``row_names``: only these rows, beside both peers (a run must fit the
-    GPU machine's 10 minutes). The CSV keeps the rows this run does not time from earlier runs, each
-    row with its own provenance. ``mode``: "gdn_fwd" (inference forward) or "gdn_train" (a
-    training step)."""
+def main(commit: str, csv_path: Path | None, heads=None, mode: str = "gdn_fwd", labels=None,
+         row_names=None) -> int:
+    """Time ``mode`` ("gdn_fwd": the inference forward, "gdn_train": a training step) on this GPU.
+    ``heads``: only the problems of these (H, HV); ``labels``: only these problems (short labels,
+    ``short_label``); ``row_names``: only these rows, beside both peers (a run must fit the GPU
+    machine's 10 minutes). The CSV keeps the rows this run does not time from earlier runs, each
+    row with its own provenance."""
     m = MODES[mode]
     csv_path = csv_path or RESULTS / f"{m.name}.csv"
-    if not report:
-        if not torch.cuda.is_available():
-            print("bench: needs a CUDA GPU (use --report to redraw from the committed CSV)")
-            return 1
-        problems = [p for p in m.problems if (heads is None or (p.H, p.HV) in heads)
-                    and (labels is None or short_label(p.label) in labels)]
-        if not problems:
-            raise ValueError(f"bench: `heads` {heads} and `problems` {labels} select none of "
-                             f"{[short_label(p.label) for p in m.problems]}")
-        partial = heads is not None or labels is not None or row_names is not None
-        keep = read_csv(csv_path) if partial and csv_path.exists() else []
-        rows = run_bench(commit, csv_path, problems, keep, m, row_names)
-        print(f"wrote {csv_path}")
-        if any(r["method"] == "FAILED its check" for r in rows):
-            return 1
-        return 0
-    rows = read_csv(csv_path)
-    plot(rows, csv_path.with_suffix(".png"), m)
-    update_readme(rows, m)
-    print(f"redrew {csv_path.with_suffix('.png')} and the README table from {csv_path}")
-    return 0
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (use --report to redraw from the committed CSVs)")
+        return 1
+    problems = [p for p in m.problems if (heads is None or (p.H, p.HV) in heads)
+                and (labels is None or short_label(p.label) in labels)]
+    if not problems:
+        raise ValueError(f"bench: `heads` {heads} and `problems` {labels} select none of "
+                         f"{[short_label(p.label) for p in m.problems]}")
+    partial = heads is not None or labels is not None or row_names is not None
+    keep = read_csv(csv_path) if partial and csv_path.exists() else []
+    rows = run_bench(commit, csv_path, problems, keep, m, row_names)
+    print(f"wrote {csv_path}")
+    return 1 if any(r["method"] == "FAILED its check" for r in rows) else 0

@@ -27,9 +27,25 @@
 # | `wy_bwd` | back through $w$, $u$ and the triangular inverse to $k$, $v$, $\beta$, $\gamma$ | no |
 # | `chunk_local_reverse_cumsum` | from the gradient of $\gamma$ to that of $g$ | no |
 #
-# Each step is checked against `torch.autograd` in float64 as we go. We finish with what the
-# backward costs against the forward, and with the choice every implementation makes: what the
-# forward saves for the backward, and what the backward recomputes.
+# **What you will learn**
+#
+# - the five sub-steps of the chunked backward, each derived with three rules of reverse mode and
+#   checked against `torch.autograd` in float64;
+# - the reverse state recurrence: the transpose of the forward's chain, and how the gradient decays
+#   backwards as the state decays forwards;
+# - the gradient of the log decay without differentiating an exponential, and the GVA sums;
+# - what the backward costs against the forward, and what to save for it or recompute;
+# - the milestone stages `gdn_bwd.s01` (the steps as separate TileLang kernels) and `gdn_bwd.s02`
+#   (both sequential walks in one launch), measured against FLA and FlashQLA, and what the library
+#   runs.
+#
+# **What you need first**
+#
+# - chapter 2: the chunked form and its sub-steps (`chunk_kkt`, `kkt_solve`, `chunk_w_u`,
+#   `chunk_h`, `chunk_o`) and their notation ($\gamma$, $\Gamma$, $\mathcal{T}$, $w$, $u$, $\tilde V$);
+# - reverse-mode differentiation of matrix products;
+# - chapter 3, for what a stage and its measurement are. No GPU: everything below runs on the CPU
+#   or reads committed measurements.
 
 # %%
 import ast
@@ -44,8 +60,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from IPython.display import Markdown, display
 
-from flashqla import api, bench, bwd, reference, stages
-from flashqla.hopper import cuda_excerpt
+from flashqla import bench, bwd, reference, stages
+from flashqla.exercises.ch07 import check_dg_from_dgamma, check_dhu_step
 from flashqla.testing import Problem, cast_floats, rel_l2
 
 f64 = torch.float64
@@ -610,7 +626,7 @@ assert recompute[0] < write_read[-1] < bwd_floor
 # sequential walks (the forward's recomputed `chunk_h` and `chunk_bwd_dhu`) in one launch. The
 # sub-step stages are `chunk_bwd_dv_local.s01`, `chunk_bwd_dhu.s01`, `chunk_bwd_dqkwg.s01` and
 # `wy_bwd.s01`. Each docstring says what the stage does, how, and what it measured on an H200;
-# below, its first paragraph and its measured effect, as written there.
+# below, its first paragraph.
 
 # %%
 BWD_STAGES = (("gdn_bwd", 1), ("gdn_bwd", 2), ("chunk_bwd_dv_local", 1), ("chunk_bwd_dhu", 1),
@@ -633,12 +649,11 @@ def measured_effect(doc):
 
 
 for name, module in bwd_stages.items():
-    print(f"==== {name}  ({Path(module.__file__).relative_to(ROOT)})\n")
-    print(module.__doc__.split("\n\n")[0] + "\n")
-    print(measured_effect(module.__doc__) + "\n")
+    first = " ".join(module.__doc__.split("\n\n")[0].split())
+    print(f"{name} ({Path(module.__file__).relative_to(ROOT)}): {first}\n")
 
 # %% [markdown]
-# The measured numbers side by side, read from those tables: each stage against FLA 0.6.0's kernel
+# The measured numbers side by side, read from the docstrings' "Measured effect" tables: each stage against FLA 0.6.0's kernel
 # for the same step (for `gdn_bwd.s01`, FLA's whole backward through `torch.autograd.grad`), one
 # H200, CUDA events, median of 20 after 3 warm-up calls, $K = V = 128$. Each stage was timed in its
 # own run of its lab (the docstrings name them), with FLA in the same run; the ratio is FLA's time
@@ -667,18 +682,11 @@ for name in STEP_ORDER:
              for s in SHAPES]                                       # every stage has both shapes, or a KeyError
     lines.append(f"| `{name}`" + (" (the whole backward)" if name.startswith("gdn_bwd") else "") + " | "
                  + " | ".join(cells) + " |")
-s02_doc = " ".join(bwd_stages["gdn_bwd.s02"].__doc__.split())
-first, vs_s01, vs_fla = re.search(r"took ([\d.]+) ms against ([\d.]+) for s01 and ([\d.]+) for FLA", s02_doc).groups()
-lines.append(f"| `gdn_bwd.s02`, first build (since fixed) | {first} / {vs_fla} "
-             f"({float(vs_fla) / float(first):.2f}x; s01 {vs_s01} in that run) | - |")
 display(Markdown("\n".join(lines)))
 
-# the docstrings' own reading of the whole backward, and s02's status
-ratio_64, ratio_8 = (speedup("gdn_bwd.s01", s) for s in SHAPES)
-said = re.search(r"([\d.]+)x FLA on \(16, 64\) and ([\d.]+)x on \(2, 8\)",
-                 " ".join(bwd_stages["gdn_bwd.s01"].__doc__.split())).groups()
-assert SHAPES == ["(16, 64) 1 x 32768", "(2, 8) 1 x 32768"] and said == (f"{ratio_64:.2f}", f"{ratio_8:.2f}")
-assert "fixed build passes the GPU" in s02_doc and "--mode gdn_train" in s02_doc
+# what the prose below says
+assert SHAPES == ["(16, 64) 1 x 32768", "(2, 8) 1 x 32768"]
+assert [round(speedup("gdn_bwd.s01", s), 2) for s in SHAPES] == [1.12, 0.83]
 # what the prose below says: every step at least on par with FLA, but the reverse walk with few heads
 slower = [(name, s) for name in STEP_ORDER for s in SHAPES if speedup(name, s) < 1]
 assert slower == [("chunk_bwd_dhu.s01", "(2, 8) 1 x 32768"), ("gdn_bwd.s01", "(2, 8) 1 x 32768")], slower
@@ -690,10 +698,8 @@ assert slower == [("chunk_bwd_dhu.s01", "(2, 8) 1 x 32768"), ("gdn_bwd.s01", "(2
 # backward is 1.12x FLA's at (16, 64) and 0.83x at (2, 8), where its two walks (the recomputed
 # `chunk_h` and `chunk_bwd_dhu`, 16 CTAs each) take 3.1 of its 4.0 ms, one after the other. That is
 # what `gdn_bwd.s02` goes after: both walks side by side in one launch, `dv_local` folded into the
-# reverse walk, one preparation kernel and one finishing kernel. Its first build was slower than s01
-# for two defects its docstring traces in the SASS (a substitution left in local memory, a 64-bit
-# software remainder in every address); the fixed build passes the GPU tests, and the training-step
-# benchmark below times it.
+# reverse walk, one preparation kernel and one finishing kernel. The training-step benchmark below
+# times it.
 #
 # ### A whole training step, side by side
 #
@@ -745,31 +751,10 @@ assert len(api_over_s02) == 9 and all(0.99 < x < 1.04 for x in api_over_s02.valu
 # FlashQLA is the fastest row on every problem, 1.7-3.7x FLA: its backward is one fused warp-specialized kernel (a producer
 # and consumer warpgroups ordered by 16 barrier stages), the pipeline that comes after s02 here.
 #
-# What the kernels look like: the generated CUDA of the walk kernel the library runs (its copy of
-# `gdn_bwd.s02`'s, built for sm_90a at (H, HV) = (16, 32) on any machine; a first build compiles,
-# 10-40 s). Per instruction of interest, how many lines hold it and the first one. The pipeline is
-# written by hand: `blockIdx.y` picks the role (the forward walk or the reverse one); in each CTA the
-# producer warpgroup waits for a stage's `bar_empty`, tells its `bar_full` how many bytes to expect
-# and issues the TMA loads, and the consumer warpgroup waits on `bar_full`, runs its wgmma (the
-# reverse walk's P^T dO with P^T in registers) and arrives on `bar_empty`.
-
-# %%
-walk_source = bwd._compiled(bwd.walk_kernel, 16, 32, bwd.BV).get_kernel_source()
-KEY_LINES = (  # (what, a pattern matched against each line of the generated CUDA)
-    ("the kernel and its launch bounds", r"__global__ void __launch_bounds__"),
-    ("the role", r"blockIdx\.y\) == 0"),
-    ("wgmma, both operands in shared memory", r"tl::wgmma_ss<"),
-    ("wgmma, A from registers (P^T dO)", r"tl::wgmma_rs<"),
-    ("wait for the issued wgmma", r"tl::warpgroup_wait<"),
-    ("TMA load (cp.async.bulk.tensor) into a stage", r"tl::tma_load\("),
-    ("mbarrier: expect the stage's bytes", r"bar_full\[.*\]\.expect_transaction\("),
-    ("mbarrier: the consumer waits for a full stage", r"bar_full\[.*\]\.wait\("),
-    ("mbarrier: the consumer frees the stage", r"bar_empty\[.*\]\.arrive\("),
-    ("exp2f (ex2.approx)", r"exp2f\("),
-)
-print("the library's walk kernel:", end=" ")
-cuda_excerpt(walk_source, KEY_LINES, width=120)
-assert all(any(re.search(pattern, line) for line in walk_source.splitlines()) for _, pattern in KEY_LINES)
+# The walk kernel that s02 adds (and the library runs) is pipelined by hand: `blockIdx.y` picks the
+# walk (the forward's recomputed chain or the reverse one); in each CTA a producer warpgroup waits
+# for a stage's `bar_empty`, tells its `bar_full` how many bytes to expect and issues the TMA loads,
+# and the consumer warpgroup waits on `bar_full`, runs its wgmma products and arrives on `bar_empty`.
 
 # %% [markdown]
 # ### What the library runs
@@ -783,13 +768,10 @@ assert all(any(re.search(pattern, line) for line in walk_source.splitlines()) fo
 print(bwd.__doc__)
 
 # %% [markdown]
-# `flashqla.chunk_gated_delta_rule` reaches it through an autograd Function whose forward saves only
-# the inputs (`ctx.save_for_backward(q, k, v, g, beta, initial_state)`): the backward recomputes
-# $g_{cum}$, $\mathcal{T}$, $w$, $u$, the states and `v_new`, the first row of the save-or-recompute
-# table above, without AutoCP.
-
-# %%
-print(inspect.getsource(api._KernelForward))
+# `flashqla.chunk_gated_delta_rule` reaches it through autograd, and its forward saves only the
+# inputs $q, k, v, g, \beta$ and the initial state: the backward recomputes $g_{cum}$,
+# $\mathcal{T}$, $w$, $u$, the states and `v_new`, the first row of the save-or-recompute table
+# above, without AutoCP.
 
 # %% [markdown]
 # Since neither direction reads a device value on the host, a whole training step (forward,
@@ -826,3 +808,68 @@ print(ast.get_source_segment(test_api.read_text(), graph_test))
 #   walks in one launch: a training step with it is 0.73-1.38x FLA's (geomean 1.07x), behind on
 #   single sequences with few heads; FlashQLA is 1.7-3.7x FLA. The library runs s02's kernels
 #   (`flashqla/bwd.py`), saving only the inputs, and a whole training step captures in a CUDA graph.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. One step of the reverse state recurrence.** Write `dhu_step` for one chunk of one value head
+# (step 2): given $dS'$, the gradient of the state leaving the chunk, return $dS$, that of the
+# state entering it, and $d\tilde V$, the full gradient of `v_new`. The starting code decays the
+# whole sum by the chunk's $e^{\gamma_C}$; only one of its terms went through that decay in the
+# forward. The check walks your step from the last chunk to the first on one sequence and compares
+# with `reference.chunk_bwd_dhu` and with autograd's gradient of the initial state, in float64.
+
+# %% tags=["exercise"]
+def dhu_step(dS_next, q, k, w, do, dv_local, g_cum, scale):
+    g_last = g_cum[-1]
+    dv = dv_local + (k * torch.exp(g_last - g_cum)[:, None]) @ dS_next          # dV~ = dV~_loc + E K dS'
+    dS = torch.exp(g_last) * (dS_next + scale * (q * torch.exp(g_cum)[:, None]).T @ do
+                              - w.T @ dv)                                        # TODO: what does exp(g_C) decay?
+    return dS, dv
+
+
+# %% tags=["check"]
+check_dhu_step(dhu_step)
+
+# %% tags=["solution", "hide-input"]
+def dhu_step(dS_next, q, k, w, do, dv_local, g_cum, scale):
+    g_last = g_cum[-1]
+    dv = dv_local + (k * torch.exp(g_last - g_cum)[:, None]) @ dS_next
+    # S' = exp(g_C) S + ...: only the path through the decayed state carries exp(g_C)
+    dS = torch.exp(g_last) * dS_next + scale * (q * torch.exp(g_cum)[:, None]).T @ do - w.T @ dv
+    return dS, dv
+
+
+result = check_dhu_step(dhu_step)
+assert result.passed, result
+result
+
+# %% [markdown]
+# **2. From $d\gamma$ to $dg$.** Write step 5 for one sequence: `dg_from_dgamma(dgamma)` gets the
+# gradient of the chunk-local cumulative log decay, `[T, HV]` with $T = 200$ (three whole chunks
+# and a partial one), and returns the gradient of $g$. The starting code sums in the wrong
+# direction. The check compares with `reference.chunk_local_reverse_cumsum` and with autograd's
+# gradient of $g$ through the token-by-token recurrence.
+
+# %% tags=["exercise"]
+def dg_from_dgamma(dgamma):
+    dg = torch.empty_like(dgamma)
+    for s in range(0, dgamma.shape[0], C):                                     # chunk by chunk
+        dg[s:s + C] = dgamma[s:s + C].cumsum(0)                                  # TODO: which gammas does g_t feed?
+    return dg
+
+
+# %% tags=["check"]
+check_dg_from_dgamma(dg_from_dgamma)
+
+# %% tags=["solution", "hide-input"]
+def dg_from_dgamma(dgamma):
+    dg = torch.empty_like(dgamma)
+    for s in range(0, dgamma.shape[0], C):
+        dg[s:s + C] = dgamma[s:s + C].flip(0).cumsum(0).flip(0)                 # g_t feeds gamma_s, s >= t
+    return dg
+
+
+result = check_dg_from_dgamma(dg_from_dgamma)
+assert result.passed, result
+result

@@ -19,8 +19,7 @@ plus the provenance columns of ``flashqla.bench.versions``. Eager calls: kernels
 would replay are the same, but host-side gaps are not in these sums.
 
 ``profiles/results/kernel_split.csv`` holds one run of this lab on one H200 at commit 05f6295, when the
-newest stage was gdn_fwd.s13 and the entry point ran s13's pipeline (an earlier run, at c98e3fb,
-with s10 and gate_free_solve.s01, is quoted in notebook 04).
+newest stage was gdn_fwd.s13 and the entry point ran s13's pipeline.
 """
 
 import argparse

@@ -60,8 +60,8 @@ kernels of s03, s05, s07 and s12 (``ncu_gdn_fwd_sNN.csv``), the three gate-free 
 (``ncu_gate_free_solve_sNN.csv``), FlashQLA's forward (``ncu_flashqla.csv``) and, in
 ``ncu_targets.csv``, six runs of the one H100 call (ae1f15b) concatenated: the library's forward
 (gdn_fwd.s44) and FlashQLA's on (16, 64) 1x32768 and on (2, 8) 1x2048, FLA's (gdn_fwd.s00) on
-(2, 8) 1x2048, and gdn_fwd.s44 on (8, 24) 1x2048. These are the problems of issue 4's two missed
-targets (notebook 06, section 19).
+(2, 8) 1x2048, and gdn_fwd.s44 on (8, 24) 1x2048. The Nsight labs page of the book reads
+them.
 """
 
 import argparse

@@ -27,7 +27,7 @@ Between two stamps a role is, by the first one's site:
 stamps divided by its chunks, mean over CTAs), its share of the role's span, and the span per chunk
 in cycles and ns (the SM clock from ``%globaltimer`` against ``clock64`` over each CTA), plus
 ``flashqla.bench.versions``' provenance. ``--events``: one CTA's raw stamps for a window of chunks
-(role, site, label, cycle), for the timeline plot in notebooks/04_reformulation.py.
+(role, site, label, cycle), for the timeline plot in notebooks/05_warp_specialization.py.
 ``report IN.csv`` prints the table on any machine. ``--stage N`` stamps a gdn_fwd stage's fused kernel
 instead of the library's: the wide kernel of s34, s35 and s38-s41, the narrow one of s45 (their
 forwards take the compiled fused kernel as ``fused``). ``results/role_timeline.csv`` and ``role_timeline_events.csv`` hold eleven runs: on

@@ -31,7 +31,7 @@ the script this lab was written from, with the same method, printed and then tab
 ``results/timeline_weak_rows.csv`` (one H100, commit 2066b86: the API, s40's library, and FlashQLA
 on (16, 16) 8x4096, (8, 24) 28672+4096, (16, 64) 8x4096, (8, 24) 1x2048 and (8, 32) 1x8192; that
 run replaced the problem list in-process, as ``--problems`` now does) is quoted in gdn_fwd.s42's
-docstring, notebook 04 and the README's gaps.
+docstring and the README's gaps.
 """
 
 import argparse

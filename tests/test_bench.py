@@ -1,4 +1,6 @@
-"""The benchmark's napkin math and its committed results: the README table is the CSV's."""
+"""The benchmark's napkin math and its committed results: the README's summary and the book's Results
+page are generated from the CSVs; the README is short and its map, links and usage hold; the CSVs
+hold what the stages' docstrings quote."""
 
 import math
 import sys
@@ -38,17 +40,142 @@ def test_a_run_of_some_rows_replaces_only_those():
     assert bench.merge_rows(old, new) == [*new, old[2]]  # a whole run drops the rows it no longer has
 
 
+def test_readme_summary_is_regenerated_from_the_committed_csvs():
+    """The README's table is ``bench.summary_table`` of the committed CSVs; a changed time shows."""
+    runs = {name: bench.read_csv(bench.RESULTS / f"{name}.csv") for name in bench.MODES}
+    block = bench.between(bench.README.read_text(), "summary")
+    assert block == bench.summary_table(runs), "README results are stale: run `python -m flashqla bench --report`"
+    api = next(r for r in runs["gdn_fwd"] if r["impl"] == bench.API_ROW)
+    api["ms"] = str(float(api["ms"]) * 1.5)
+    assert bench.summary_table(runs) != block
+
+
 @pytest.mark.parametrize("mode", bench.MODES.values(), ids=lambda m: m.name)
-def test_readme_table_is_regenerated_from_the_committed_csv(mode):
+def test_results_page_is_regenerated_from_the_committed_csv(mode):
     rows = bench.read_csv(bench.RESULTS / f"{mode.name}.csv")
-    text = bench.README.read_text()
-    begin, end = bench.markers(mode)
-    block = text[text.index(begin) + len(begin):text.index(end)]
-    assert block.strip() == bench.readme_table(rows, mode).strip(), \
-        "README results are stale: run `python -m flashqla bench --report`"
+    block = bench.between(bench.RESULTS_PAGE.read_text(), mode.name)
+    assert block == bench.results_table(rows, mode), \
+        "book/results.md is stale: run `python -m flashqla bench --report`"
+    changed = [dict(r) for r in rows]
+    next(r for r in changed if r["impl"] == mode.peers[1])["method"] = "CUDA events, no graph (capture failed)"
+    assert bench.results_table(changed, mode) != block
     for r in rows:  # provenance on every row
         assert all(r[c] for c in ("gpu", "driver", "cuda", "torch", "tilelang", "fla", "flash_qla",
                                   "commit", "date", "method")), r
+    # the book shows the plot that --report drew
+    assert (bench.PLOTS / f"{mode.name}.png").read_bytes() == (bench.RESULTS / f"{mode.name}.png").read_bytes()
+    assert f"images/{mode.name}.png" in bench.RESULTS_PAGE.read_text()
+
+
+def test_ratios_come_from_one_run():
+    """The API's ratio to a peer is computed from rows of one run; a peer row from another commit
+    or card raises, and so does a problem without an API time."""
+    rows = [dict(problem="(2, 8) 1x2048", impl=name, ms=ms, commit="abc", gpu="H100")
+            for name, ms in ((bench.FLA_ROW, "0.3"), (bench.FLASHQLA_ROW, "0.2"), (bench.API_ROW, "0.1"))]
+    assert bench.api_ratios(rows) == {"(2, 8) 1x2048": pytest.approx((3.0, 2.0))}
+    rows[1]["commit"] = "def"
+    with pytest.raises(ValueError, match="not from one run"):
+        bench.api_ratios(rows)
+    rows[1]["commit"], rows[2]["ms"] = "abc", ""
+    with pytest.raises(ValueError, match="no time for"):
+        bench.api_ratios(rows)
+
+
+def test_plots_draw_the_peers_the_api_and_the_milestones_only():
+    from flashqla.stages import MILESTONES
+
+    for mode in bench.MODES.values():
+        rows = bench.read_csv(bench.RESULTS / f"{mode.name}.csv")
+        series = bench.plot_series(rows, mode)
+        stages = [i for i in series if i not in (*mode.peers, bench.API_ROW)]
+        assert set(series) >= {*mode.peers, bench.API_ROW} and stages
+        assert all(bench.stage_id(i).removeprefix("fwd + ") in MILESTONES for i in stages), stages
+        styles = [style[1:] for style in series.values()]
+        assert len(set(c for c, _ in styles)) == len(styles) == len(set(m for _, m in styles))
+
+
+def test_readme_is_at_most_12_kib():
+    assert bench.README.stat().st_size <= 12 * 1024, bench.README.stat().st_size
+
+
+def _readme_section(title, text=None):
+    text = text or bench.README.read_text()
+    start = text.index(f"\n## {title}\n")
+    return text[start:text.find("\n## ", start + 1)]
+
+
+def _map_misfits(text, root, tracked):
+    """What the README's Map gets wrong about the tree: paths it names that do not exist, top-level
+    entries (of ``tracked``, the files git knows) and library modules it does not name."""
+    import re
+
+    named = set()
+    for row in _readme_section("Map", text).splitlines():
+        if row.startswith("| `"):
+            named.update(re.findall(r"`([^`]+)`", row.split(" | ")[0]))
+    wrong = [f"names {p}, not in the tree" for p in sorted(named) if not (root / p.split("<")[0]).exists()]
+    top = {f.split("/")[0] for f in tracked} - {"README.md"}
+    listed = {p.split("/")[0] for p in named}
+    modules = {f"flashqla/{p.name}" + ("/" if p.is_dir() else "") for p in (root / "flashqla").iterdir()
+               if p.suffix == ".py" and p.name != "__init__.py" or p.is_dir() and (p / "__init__.py").exists()}
+    return wrong + [f"misses {p}" for p in sorted(top - listed) + sorted(modules - named)]
+
+
+def test_readme_map_matches_the_tree():
+    """Every path the Map names exists, and it names every top-level entry of the tree and every
+    module of the library; a map with a row dropped or a path misspelt fails."""
+    import subprocess
+
+    root = bench.README.parent
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if tracked.returncode:
+        pytest.skip("not a git checkout")
+    tracked = tracked.stdout.splitlines()
+    text = bench.README.read_text()
+    assert _map_misfits(text, root, tracked) == []
+    broken = text.replace("| `.gitignore` |", "| |").replace("`flashqla/timing.py`", "`flashqla/timings.py`")
+    assert _map_misfits(broken, root, tracked) == [
+        "names flashqla/timings.py, not in the tree", "misses .gitignore", "misses flashqla/timing.py"]
+
+
+def _dead_links(text, root):
+    """Local links of ``text`` that lead nowhere, and chapters of the tree it does not link."""
+    import re
+
+    local = [x for x in re.findall(r"\]\(([^)#]+)\)", text) if not x.startswith("http")]
+    chapters = {f"notebooks/{p.name}" for p in (root / "notebooks").glob("[0-9][0-9]_*.py")}
+    return [x for x in local if not (root / x).exists()] + sorted(chapters - set(local))
+
+
+def test_readme_links_resolve():
+    root = bench.README.parent
+    text = bench.README.read_text()
+    assert "](book/results.md)" in text and _dead_links(text, root) == []
+    broken = text.replace("](notebooks/01_recurrence.py)", "](notebooks/01_recurence.py)")
+    assert _dead_links(broken, root) == ["notebooks/01_recurence.py", "notebooks/01_recurrence.py"]
+
+
+def test_readme_usage_runs_on_cpu():
+    """The usage block, on the CPU (the reference): the shapes it promises."""
+    import re
+    import warnings
+
+    code = re.search(r"```python\n(.*?)```", _readme_section("Usage"), re.S).group(1)
+    scope = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time warning: the reference runs on the CPU
+        exec(code.replace('device="cuda"', 'device="cpu"'), scope)
+    assert scope["o"].shape == scope["v"].shape and scope["ht"].shape == scope["h0"].shape
+    assert torch.isfinite(scope["o"].float()).all()
+
+
+def test_bench_from_an_installed_wheel_says_it_needs_a_checkout(monkeypatch, tmp_path, capsys):
+    from flashqla import __main__ as cli
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "profiles" / "results")  # as next to a wheel
+    for argv in (["bench", "--report"], ["bench"]):
+        assert cli.main(argv) == 2
+        assert "needs a checkout of the repository" in capsys.readouterr().err
 
 
 def test_ncu_roofline_redraws_from_the_committed_csvs(tmp_path):
@@ -206,7 +333,7 @@ def test_timeline_lab_reports_the_committed_csv():
 
 def test_weak_rows_timeline_holds_what_the_stages_quote():
     """``results/timeline_weak_rows.csv`` (timeline_lab.py, 2066b86) prints as ten timelines and holds
-    what gdn_fwd.s42's and s43's docstrings and the README quote: the solve 146.3 of the API's 364.0
+    what gdn_fwd.s42's and s43's docstrings quote: the solve 146.3 of the API's 364.0
     us on (16, 16) 8x4096 against FlashQLA's kkt_solve 113.6, and 400.0 of 1150.6 on (16, 64)
     8x4096; the lab's ``--problems`` names exactly those five problems."""
     import subprocess
@@ -327,7 +454,7 @@ def test_role_timeline_holds_what_the_stages_quote():
     3735 cycles a chunk against 3873; s35's value warpgroup 6635 against s34's 2252; s37's state span
     5847, its value warpgroup's work 2242; the chain of s39 4885 (work 2510) and of s40 4835 (2461); s41's scores warpgroup 5157 (3069).
     At BV 128 (the library at 2066b86, (16, 16) 8x4096) the scores / output warpgroup's own work is
-    over half its span, where the state warpgroup waits over half of its on Vd (the README's gaps).
+    over half its span, where the state warpgroup waits over half of its on Vd.
     On (2, 8) 1x2048 at BV 16 (4f33b5e), what gdn_fwd.s45's docstring quotes: the library's chain
     spends 3455 cycles a chunk on its own (work, wgmma, named barriers), s45's 2782, and waits 2461
     for w; s45's scores warpgroup works 4352 cycles a chunk against the library's 2872."""
@@ -383,8 +510,8 @@ def test_solve_kernels_hold_what_the_stages_quote():
 
 def test_warmup_two_products_holds_what_s44_quotes():
     """``results/warmup_two_products.csv`` holds gdn_fwd.s44's table (s43 and s44 at the same rule,
-    one process, cd21a8d): each split problem 0.78-0.85x s43's time; and the run at fbf3c07 holds
-    what s44's docstring and the README quote: at least FlashQLA's speed on all 40 problems,
+    one process, cd21a8d): each split problem 0.78-0.85x s43's time; and the run at fbf3c07 (the
+    library = s44) holds what s44's docstring quotes: at least FlashQLA's speed on all 40 problems,
     1.05-2.06x (geomean 1.33x), 1.39-4.21x FLA's (geomean 2.74x), (16, 64) 1x32768 at 2.22x the
     floor."""
     from flashqla.stages import load
@@ -410,9 +537,8 @@ def test_warmup_two_products_holds_what_s44_quotes():
     assert run["(16, 64) 1x32768"][bench.API_ROW]["x_floor"] == "2.22"
 
 
-def test_ncu_targets_hold_what_the_readme_and_notebook_06_quote():
-    """``results/ncu_targets.csv`` (one H100, ae1f15b) holds the numbers that the README's targets
-    paragraph and notebook 06's section 19 quote:
+def test_ncu_targets_hold_the_quoted_kernel_times():
+    """``results/ncu_targets.csv`` (one H100, ae1f15b) holds the numbers quoted from it:
     - on (16, 64) 1x32768, the fused kernel's 378 GFLOP equal the benchmark's useful FLOPs, at 60 %
       of the run's GEMM roof, and the solve's 309 us for 423 MB;
     - on (2, 8) 1x2048, the three forwards' kernel sums, 68.6, 78.0 and 100.6 us."""
@@ -431,10 +557,6 @@ def test_ncu_targets_hold_what_the_readme_and_notebook_06_quote():
         if r["problem"] == "(2, 8) 1x2048":
             sums[r["stage"]] = sums.get(r["stage"], 0) + float(r["us"])
     assert {k: round(v, 1) for k, v in sums.items()} == {"gdn_fwd.s44": 68.6, "FlashQLA": 78.0, "gdn_fwd.s00": 100.6}
-    readme = bench.README.read_text()
-    for quoted in ("378 GFLOP", "60 % of that roof (801 us)", "309 us\n  for 423 MB (40.9 % of peak DRAM",
-                   "Ours takes 68.6 us under ncu, FlashQLA's 78.0, and FLA's seven kernels 100.6"):
-        assert quoted in readme, quoted
 
 
 def test_chain_on_w_holds_what_s45_quotes():
