@@ -5,8 +5,8 @@ s03's, runs the state chain and the output work in the same warps, one after the
 warpgroup of a 512-thread CTA has one role (chain, scores, output, producer), registers are moved
 between them by setmaxnreg, and they hand work to each other through shared memory, ordered by
 mbarriers, so the output of chunk c is computed while the chain already works on chunk c + 1.
-Why: s03's chunk took about 3.6 us, latency-bound, and its chain alone 1.7: the output work
-doubled the chain's path. The math is s03's (w, u from the preparation stages), not s04's, so
+Why: in s03 the output work doubled the chain's path (about 3.6 us a chunk, latency-bound; the
+chain alone took 1.7). The math is s03's (w, u from the preparation stages), not s04's, so
 that the one change this milestone teaches is the organization; gdn_fwd.s07 (the lab log) puts
 s04's reformulated chain, U = K S, W = V - diag(exp g) U, V~ = (Gamma * Ab) W, into the block
 marked "chain math", with the producer loading v and Ab instead of u and w. Per chunk of
