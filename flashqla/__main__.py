@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashqla tour``, ``python -m flashqla bench`` and ``python -m flashqla lab``."""
+"""Command line: ``python -m flashqla tour``, ``bench``, ``lab`` and ``lablog``."""
 
 import argparse
 import importlib.util
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashqla import bench, tour
+from flashqla import bench, lablog, tour
 
 CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root, when installed editable
 # A Jupyter config dir whose labconfig/default_setting_overrides.json makes "Jupytext Notebook" the
@@ -53,9 +53,11 @@ def _commit() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashqla")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_tour = sub.add_parser("tour", help="run every stage this machine supports, check and time it")
+    p_tour = sub.add_parser("tour", help="run the course path's stages this machine supports, check and time them")
     p_tour.add_argument("--plot", type=Path, default=Path("flashqla-tour.png"),
                         help="where to save the plot (default: %(default)s)")
+    p_tour.add_argument("--all", action="store_true",
+                        help="every stage under kernels/, not only the milestones")
     p_bench = sub.add_parser("bench", help="time every forward (or training-step) stage, FLA and FlashQLA (GPU)")
     p_bench.add_argument("--csv", type=Path, default=None,
                          help="results file (default: profiles/results/gdn_fwd.csv)")
@@ -75,11 +77,14 @@ def main(argv=None) -> int:
                               "summary from the committed CSVs (any machine)")
     sub.add_parser("lab", help="JupyterLab over the chapters, each opening as a notebook (needs the "
                                "lab extra); further arguments go to jupyter lab")
+    sub.add_parser("lablog", help="write the book's Lab log page (book/lab_log.md) from kernels/lab_log.csv")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "tour":
-        return tour.main(args.plot)
+        return tour.main(args.plot, args.all)
+    if args.command == "lablog":
+        return lablog.main()
     if args.command == "lab":
         missing = checkout_missing("lab", CHECKOUT / "notebooks")
         if missing:

@@ -1,9 +1,10 @@
-"""AutoCP: cut long sequences into segments that run in parallel on one GPU, planned on the device.
+"""AutoCP: long sequences cut into segments that run in parallel on one GPU. The segment plans, and
+the rule and phases in PyTorch.
 
 The chain over chunks is the only sequential part of the forward: one chain per (sequence, value
 head), so a few heads on one long sequence leave most SMs idle. Cut every sequence into segments
-of L chunks; the kernel then runs one chain per (segment, head), all at once, as a varlen problem
-whose "sequences" are the segments, once every segment's initial state is known
+of L chunks; the fused kernel then runs one chain per (segment, head), all at once, as a varlen
+problem whose "sequences" are the segments, once every segment's initial state is known
 (``flashqla.reference``, section "Context parallelism"):
 
     exact       h_{j+1} = M_j h_j + Z_j: M_j the product of segment j's chunk transitions (K x K),
@@ -15,25 +16,32 @@ whose "sequences" are the segments, once every segment's initial state is known
 Per (segment, value head) w is the number of chunks, counted back from the segment start, until
 the cumulative log decay falls to ``THRESHOLD`` (FlashQLA's -10: error <= e^-10 ~ 4.5e-5 of the
 state where the window starts). Heads that do not reach it within the previous segment or
-MAX_WARMUP_CHUNKS (g = 0 heads, nearly non-decaying ones) take the exact path, as do heads whose previous segment has a token breaking the bound's
-conditions (unnormalized keys, beta > 1, g > 0): that fallback is decided on the device, per
-(segment, head), so nothing is assumed about the caller.
+MAX_WARMUP_CHUNKS (g = 0 heads, nearly non-decaying ones) take the exact path, as do heads whose
+previous segment has a token breaking the bound's conditions (unnormalized keys, beta > 1, g > 0):
+that fallback is decided on the device, per (segment, head), so nothing is assumed about the
+caller.
 
-Everything here is a pure function of host integers (tokens, sequences, heads, SM count) and
-device tensors; nothing reads a device value on the host, so a forward using it can be captured in
-a CUDA graph, and the same inputs give the same plan every time. The number of segments depends
-on the lengths, which live on the device, so, like ``flashqla.varlen``'s chunk table, the segment
-table has a host-known number of rows (an upper bound) and its rows past the real segments are
-empty, [T, T).
+What is where. ``flashqla.fwd`` decides the split (its own ``segment_chunks``) and runs the phases
+as kernels; it takes from here the plan (``host_plan`` from lengths the host knows, ``plan`` built
+on the device inside a CUDA-graph capture that has none kept, ``slot_chunks``), THRESHOLD,
+MIN_SEGMENT_CHUNKS and MAX_WARMUP_CHUNKS. ``segment_chunks`` below (the rule of the AutoCP stages
+gdn_fwd.s06 to s15), ``bound_violations``, ``warmup`` and ``segment_initial_states`` are the rule
+and the phases in PyTorch that the AutoCP stages build with and are tested against.
+
+A plan is a pure function of host integers (tokens, sequences, heads, SM count) and device tensors;
+``plan`` reads no device value on the host, so a forward using it can be captured in a CUDA graph,
+and the same inputs give the same plan every time. The number of segments depends on the lengths,
+which live on the device, so, like ``flashqla.varlen``'s chunk table, the segment table has a
+host-known number of rows (an upper bound) and its rows past the real segments are empty, [T, T).
 
 Segments are numbered two ways. ``bounds`` lists them packed in token order (segment rows, what the
-chain + output kernel reads as cu_seqlens). The warm-up and the chaining work on slots j * N + n,
-"segment j of sequence n", J slots per sequence (J a host-known bound), so that chaining step j is
-one batched matmul over contiguous memory; slots past a sequence's last segment do nothing.
-Segments start on chunk boundaries of their sequence (all but a sequence's last have L x 64
-tokens), so a segment's chunks are consecutive rows of ``flashqla.varlen.chunk_table`` for the
-whole sequences: ``first_chunk`` gives the first, for kernels that read per-chunk data computed
-before the split (the ``gated`` flags of gdn_fwd.s07's and s10's fused kernels).
+fused kernel reads as cu_seqlens). The warm-up and the chaining work on slots j * N + n, "segment j
+of sequence n", J slots per sequence (J a host-known bound), so that chaining step j reads
+contiguous memory; slots past a sequence's last segment do nothing. Segments start on chunk
+boundaries of their sequence (all but a sequence's last have L x 64 tokens), so a segment's chunks
+are consecutive rows of ``flashqla.varlen.chunk_table`` for the whole sequences: ``first_chunk``
+gives the first, for kernels that read per-chunk data computed before the split (the solve's
+``gated`` flags, which the fused kernel reads).
 """
 
 from __future__ import annotations

@@ -1,30 +1,43 @@
-"""The promoted backward: the TileLang kernels that train ``flashqla.chunk_gated_delta_rule`` on SM90.
+"""The backward that trains ``flashqla.chunk_gated_delta_rule`` on SM90: TileLang kernels, each a
+copy of the stage it was promoted from (gdn_bwd.s02, chunk_bwd_dqkwg.s01, wy_bwd.s01;
+``tests/test_promoted.py``: the same program, compiled with the same options). Like FLA's, it keeps
+nothing from the forward but its inputs and recomputes the rest. C = 64 tokens a chunk, K = V = 128,
+g = the chunk-local cumsum, Gamma_ij = exp(g_i - g_j). ``backward`` launches, in order, each in an
+NVTX range ``bwd.<name>``:
 
-Promoted from ``kernels/gdn_bwd/s02_fused_walks.py``: each kernel below is a copy, unchanged, of
-the stage it names, and ``tests/test_promoted.py`` asserts that it builds the same TileLang
-program and is compiled with the same options. Like FLA, the backward keeps nothing from the
-forward but its inputs and recomputes the rest; five launches:
+  prep             g, k, v, beta -> g_cum, Ai = (I + StrictLower(diag(beta) K K^T * Gamma))^-1,
+                   w = Ai diag(beta exp(g)) K, u = Ai diag(beta) V
+  walk             forward role: h[chunk] = S, V~ = U - W S,
+                   S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
+                   reverse role, the chunks backwards: dh[chunk] = dS'; with dO' = scale diag(exp g)
+                   dO and P^T = scale (K Q^T * Gamma^T, upper incl. diagonal),
+                   dV~ = diag(exp(g_C - g)) K dS' + P^T dO,  dS <- exp(g_C) dS' + Q^T dO' - W^T dV~
+  chunk_bwd_dqkwg  q, k, v_new, h, dV~, dh -> dq, dk, dw = -dV~ S^T, dg_cum
+                   (through dP = scale (dO V~^T * Gamma, lower incl. diagonal))
+  wy_bwd           k, v, beta, Ai, dw, du = dV~ -> dk', dv, dbeta, dg_cum' (through w and u)
+  finish           dg = the per-chunk reverse cumsum of dg_cum + dg_cum'; dk = dk + dk'
 
-    prep (gdn_bwd.s02)    g, k, v, beta                   -> g_cum, Ai, w, u
-    walk (gdn_bwd.s02)    forward role: k, w, u, h0       -> h, v_new          (both walks in one
-                          reverse role: q, k, w, dO, dht  -> dh, dh0, dV~       launch, blockIdx.y
-                                                                                the role)
-    chunk_bwd_dqkwg.s01   q, k, v_new, h, dV~, dh         -> dq, dk, dw, dg_cum
-    wy_bwd.s01            k, v, beta, Ai, dw, dV~ (= du)  -> dk', dv, dbeta, dg_cum'
-    finish (gdn_bwd.s02)  dg_cum + dg_cum', dk + dk'      -> dg (reverse cumsum per chunk), dk
+Threads, barriers and budgets (registers and shared memory as the stages' docstrings give them):
 
-Measured, as gdn_bwd.s02's docstring writes it (one H200, ``python -m flashqla bench --mode
-gdn_train``, 18 problems of six head configurations): a training step with these kernels after
-the promoted forward is 0.73-1.28x FLA's autograd step (geomean 1.03x) and 1.05-3.78x one with
-s01's kernels (s01's rows timed with events, launch gaps included); behind FLA where few
-(sequence, head) pairs leave each walk a few dozen CTAs. In ``profiles/results/gdn_train.csv`` the
-API rows of (16, 48) run these kernels (commit 1c9555e, 1-4% faster than the s02 row); the other
-head layouts' were timed when this module held s01's kernels.
+  prep             WARPGROUP threads a (chunk row, value head): K K^T on wgmma, each lane pair a
+                   column of Ai by forward substitution, w and u on wgmma; 109 registers
+  walk             2 x WARPGROUP threads a (sequence, value head, BV columns), blockIdx.y the
+                   role, so both walks run side by side: a consumer warpgroup [0, WARPGROUP) holds
+                   S or dS' (K x BV fp32) in registers, a producer warpgroup TMA-loads k, w and u
+                   (forward) or k, q, w and dO (reverse) into STAGES stages, with the gates;
+                   bar_full and bar_empty per stage. 184 registers, 145 KiB of shared memory:
+                   one CTA an SM
+  chunk_bwd_dqkwg  TWO_WG_THREADS a (chunk, key head): the group's value heads in turn, S and dS'
+                   by TMA (barrier ``loaded``), dq and dk summed over the group in registers (no
+                   atomics); 177 KB of shared memory, one CTA an SM
+  wy_bwd           TWO_WG_THREADS a (chunk, key head), the value heads in turn, dk summed in
+                   registers; about 136 KB of shared memory
+  finish           WARPGROUP threads a chunk row
 
-``backward`` launches them, each in an NVTX range ``bwd.<kernel>``, with no host synchronization,
-so that a training step can be captured in a CUDA graph: h and dh get the chunk table's row count
-(``flashqla.varlen``; for varlen a bound, whose rows past the real chunks the walk never writes
-and chunk_bwd_dqkwg, whose CTAs for them have no tokens, never reads).
+No launch reads a device value on the host, so a training step can be captured in a CUDA graph: h
+and dh get the chunk table's row count (``flashqla.varlen``; for varlen a bound, whose rows past the
+real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for them have no tokens, never
+reads).
 """
 
 import functools

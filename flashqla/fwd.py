@@ -1,152 +1,69 @@
-"""The promoted forward: the TileLang kernels that ``flashqla.chunk_gated_delta_rule`` runs on SM90.
+"""The forward that ``flashqla.chunk_gated_delta_rule`` runs on SM90: TileLang kernels, each a copy
+of the stage it was promoted from (``tests/test_promoted.py``: the same program, compiled with the
+same options, the same bits; the book's Lab log tells how each came to be). C = 64 tokens a chunk,
+K = V = 128. ``forward`` launches, in order, each kernel a programmatic dependent of the one before
+it and in an NVTX range ``fwd.<name>``:
 
-Promotion copies a stage's kernel, unchanged, from the workbench (``kernels/``, which is not
-installed) into the library; ``tests/test_promoted.py`` asserts that every kernel here builds the
-same TileLang program as the stage it came from, and is compiled with the same options, so the
-library runs exactly what the stage tests and the benchmark checked. The forward is gdn_fwd.s44's
-pipeline: s43's with AutoCP's phase 1 on two products a chunk (the warm-up kernel's state
-transposed in registers, S^T <- exp(g_C) S^T + V^T XB - U^T XA with X = Ab^T K built beside it) and
-the rule's costs refitted to it. s43's is s40's with every solve's phase B on mma.sync (gate_free_solve.s15: each unflagged head's
-block levels as warp-wide tf32 products; s16: the same in the kernel that also makes the table and
-the cumsum). s40's is s37's, where the fused kernel runs unsplit at 64 value columns a CTA after s06's solve
-(three or four heads a CTA), has the solve store WY = Gamma * Ab (gdn_fwd.s36's solve) and s40's
-fused kernel there (the state transposed in the chain's registers, s39; its hand-offs by stmatrix,
-s40); elsewhere it is s34's: s33's with the wide fused kernel's scores / output warpgroup lighter
-(O's TMA store left running, Gamma built while Q K^T runs, O's row factor from the producer's
-exp(g)). s33's is s32's
-with a fourth width, 16 value columns a CTA of the fused kernel where one wave holds
-them. s32's is s29's with the chunk table and the cumsum made in the solve's prologue where a CTA
-solves one or two value heads (gate_free_solve.s13, s31), compiled at six or five CTAs an SM
-(gate_free_solve.s14); with three or four heads a CTA, s29's first kernel (chunk_local_cumsum.s03)
-writes the table and the cumsum, and s06's solve follows. No forward builds or caches a table apart
-from them. s29's is s28's, and s28's is s27's (s26's kernels, each compiled as a
-programmatic dependent: ``griddepcontrol.wait`` and ``launch_dependents`` first, launched with
-programmatic stream serialization, so a kernel's CTAs are resident when its predecessor ends) with
-gate_free_solve.s11's grouping of the solve. s26's kernels are s24's (s22's, s21's with AutoCP's phase 2 in one kernel, on s23's warm-up, phase
-1 on a state and a value warpgroup, and s24's phase 2, M read only for heads with an exact slot,
-states written by segment row) with the cumsum, the solve (s08's tensor-core half with
-one or two value heads a CTA, s06's blocked solve with three or four, the latter only where they
-leave three CTAs an SM: s11) and s25's rule (every length of a ladder, priced by phase 3's waves),
-and a fused kernel whose width comes from the sequence lengths (``block_v``, s15's rule): s12's
-(s07's reformulated, warp-specialized kernel with a lean chain, s10) at 32 value columns a CTA,
-s16's (the chain split over a state and a value warpgroup, s14, with O stored by TMA) at 64 and
-128; with AutoCP (s18's: the plan from the host, the windows from g, beta and the flags).
-Its kernels (measurements from each stage's docstring and ``profiles/results/``; H200 unless said):
+  gate_free_solve_with_cumsum  k, beta, g, seqs -> g_cum, chunks, first_chunk, Ab, gated: the two
+                               kernels below in one, where a solve CTA holds one or two value heads
+  chunk_local_cumsum           g, seqs -> g_cum (the chunk-local prefix sum of g) and the chunk
+                               table; each CTA finds its chunk row from the sequence bounds
+  gate_free_solve              k, beta, g_cum -> Ab = (I + StrictLower(diag(beta) K K^T))^-1
+                               diag(beta), or WY = Gamma * Ab (``store_wy``); a (chunk, head) with
+                               some beta ||k||^2 > GROWTH_LIMIT solves the gated matrix (``gated``)
+  autocp_windows               per (segment, value head): where its warm-up window starts, or exact
+  autocp_warmup                Z = the chain over the window from S = 0; M = from S = I with v = 0
+  autocp_chain                 each segment's initial state h_j = Z_j + M_j h_{j-1}
+  chunk_h_o                    q, k, v, Ab, g_cum, h0 -> o, final state. Per chunk: U = K S,
+                               W = V - diag(exp g) U, V~ = WY W, P = scale (Q K^T * Gamma),
+                               O = scale diag(exp g) Q S + P V~,
+                               S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
 
-    chunk_local_cumsum.s03   g, seqs                 -> g_cum, chunks, first_chunk: one CTA per
-                                                                  chunk, eight threads a head (s02:
-                                                                  1.6-2.5 us where s01 took 4.0-7.3,
-                                                                  one H100, 677241e); each CTA finds
-                                                                  its chunk from the sequence bounds
-                                                                  and writes its table row (s03: in
-                                                                  a graph 2.0-2.9 us where the table
-                                                                  kernel and s02 took 7.3-8.1, one
-                                                                  H100, 4c2e89f)
-    gate_free_solve.s13      k, beta, g, seqs        -> g_cum, chunks, first_chunk, Ab, gated: at one
-                                                                  or two heads a CTA, s03's table
-                                                                  and scan in s08's solve kernel
-                                                                  (below), at six or five CTAs an SM
-                                                                  (s14). In a graph (2, 8) 1x2048's
-                                                                  two kernels took 8.9 + 2.1 us,
-                                                                  this one 8.4 (one H100, ba1bffa).
-                                                                  s16: with s15's solve instead of
-                                                                  s08's, 0.77-0.92x s14's time
-    gate_free_solve.s11      k, beta, g_cum          -> Ab, gated (I + StrictLower(diag(beta) K K^T))^-1
-                                                                  diag(beta) with no gate (a blocked
-                                                                  inverse: 16 x 16 diagonal blocks by
-                                                                  substitution, the rest by block
-                                                                  products), K K^T once
-                                                                  per key head; a (chunk, value
-                                                                  head) where beta ||k||^2 > 2
-                                                                  solves the gated matrix instead
-                                                                  and is flagged ``gated``. With
-                                                                  one or two value heads a CTA
-                                                                  (s08), the inverse's lower-left
-                                                                  half is two tf32 tensor-core
-                                                                  products: 0.83-0.94x s06's time.
-                                                                  Three or four heads a CTA only
-                                                                  where they leave three CTAs an
-                                                                  SM (s11): 15.9 us where 24.3 on
-                                                                  (8, 32) 1x2048, in the forward.
-                                                                  s15: phase B's block levels on
-                                                                  mma.sync (tf32), 0.68-0.81x s06's
-                                                                  time (one H100, 69c6bf5)
-    gdn_fwd.s18 (windows)    g, g_cum, beta, gated   -> windows   AutoCP: long sequences with few
-                                                                  heads are cut into segments whose
-                                                                  chains run in parallel. Per
-                                                                  (segment, value head): the warm-up
-                                                                  window (chunks back until the log
-                                                                  decay reaches -10) or exact (g = 0
-                                                                  heads, the bound's conditions
-                                                                  broken in the previous segment)
-    gdn_fwd.s44 (warm-up)    k, v, Ab, g_cum, windows -> Z, M     the chain over each window from
-                                                                  zero (Z), and for exact heads the
-                                                                  previous segment's transition (M,
-                                                                  the chain from I with v = 0), from
-                                                                  the solve's Ab: two dependent
-                                                                  products a chunk on S^T in
-                                                                  registers, X = Ab^T K by its own
-                                                                  warpgroup (producer, x, chain);
-                                                                  the forward 0.78-0.85x s43's on
-                                                                  the split problems (one H100,
-                                                                  cd21a8d)
-    gdn_fwd.s24 (chain)      h0, Z, M, exact         -> h_seg     each segment row's initial state,
-                                                                  h_j = Z_j + M_j h_{j-1}, in one
-                                                                  kernel (a CTA per sequence, head
-                                                                  and 8 state columns; M_{j+1}
-                                                                  loaded by TMA while M_j
-                                                                  multiplies, only for a head with
-                                                                  an exact slot; else h_j = Z_j):
-                                                                  22-26 us where s21's took 33-37
-    gdn_fwd.s12 (fused)      q, k, v, Ab, g_cum, gated, h0 -> o, final state: the state chain
-                                                       (U = K S, W = V - diag(exp g) U,
-                                                       V~ = (Gamma * Ab) W) and the output in one
-                                                       warp-specialized kernel (chain, scores,
-                                                       output and producer warpgroups, mbarrier
-                                                       hand-offs), the chain's per-chunk path
-                                                       without mask or exp (s10: 1.05-1.14x s07's
-                                                       forward), here at BV = 32 value columns a
-                                                       CTA (``block_v``; s12: 1.16-1.32x s10 on the
-                                                       21 problems that go narrow) or 16 where one
-                                                       wave holds that (s33: 0.85-0.90x its time at
-                                                       32, one H100, ba1bffa). s13's path
-                                                       (4 x H200, commit 7ccb1ae) was 0.92-2.35x FLA
-                                                       and 0.49-6.30x FlashQLA (geomean 1.51x,
-                                                       0.90x); (16, 64) 1 x 32768: 1.739 ms,
-                                                       FlashQLA 1.532, FLA 3.456
-    gdn_fwd.s34 (fused,      the same inputs and outputs, at BV = 64 or 128: s16's kernel, S alone
-     64 and 128)                                       in a state warpgroup (s14), so one CTA may own all 128
-                                                       value columns of a head; O stored by TMA, a
-                                                       whole chunk at a time. 0.84-0.99x s12's kernel
-                                                       time at 64, 0.78-0.87x s14's at 128; at 128
-                                                       0.66-0.73x s12's best where the lengths give
-                                                       enough waves (8 x 4096 of all layouts but
-                                                       (2, 8) and (8, 24); 4 x H100, 51893cc,
-                                                       kernel_width.csv). s34: O's store, Gamma
-                                                       and O's row factor off the scores / output
-                                                       warpgroup's path: 0.97-0.99x s33's forward
-                                                       (one H100, 60ac878)
-    gdn_fwd.s36 (solve, WY)  s06's solve storing WY = Gamma * Ab (a flagged head's Ab already holds
-                             the gate), where gdn_fwd.s37 runs unsplit at BV = 64 after it
-    gdn_fwd.s40 (fused,      the same inputs (ab holding WY) and outputs: s12's roles, the chain
-     64, WY stored)          holding S^T in registers as wgmma's left operand (U^T = S^T K^T,
-                             V~^T = V^T WY^T - (U^T D) WY^T, S^T += Vd^T K), S_c^T and V~_c^T
-                             stored by stmatrix for the output warpgroup: 0.91-0.95x s37's forward
-                             (one H200, a96646a); (16, 64) 1 x 32768 1.396 ms against
-                             FlashQLA's 1.568 (one H100, 679347d)
+The solve: THREADS = 128, one CTA per (chunk, ``solve_heads`` value heads of a key head), K K^T once
+on wgmma, the 16 x 16 diagonal blocks by substitution (phase A), the block levels as mma.sync tf32
+products (phase B; fp32 for a flagged head); 128 registers at MIN_CTAS_PER_SM (37 KB of shared
+memory at four heads), with the cumsum at SOLVE_CTAS_PER_SM (80 and 96 registers, 22.6 and 35.5 KB
+at one and two heads; Nsight Compute, ``profiles/results/ncu_targets.csv``). A CTA takes
+``cta_heads``; where that is three or four and leaves fewer than SOLVE_WAVE_CTAS_PER_SM CTAs an SM,
+two (or one).
 
-``forward`` takes the sequence bounds (``flashqla.varlen.seq_bounds``; the chunk table comes from
-the cumsum) and AutoCP's plan (``flashqla.autocp``:
-the decision from the lengths, ``segment_chunks``; the segment table built on the host and kept,
-``autocp.host_plan``), with no host synchronization beyond the one read of ``cu_seqlens`` per
-tensor that the API's validation makes (``flashqla.varlen.host_bounds``), which also gives the
-kernel width. Inside a CUDA-graph capture with no eager call before it, the plan is built on the
-device. Without a split the fused kernel walks whole sequences. With one, the windows kernel
-decides each (segment, head)'s window, the warm-up kernel runs the chain over it (Z; and M for
-exact heads), one kernel chains h_j = Z_j + M_j h_{j-1} over the segments, and the fused kernel
-walks all segments at once, each from its h_j, reading ``gated`` at its first chunk's row of the
-whole sequences' chunk table (``Plan.first_chunk``). Each kernel launch is in an NVTX range
-``fwd.<kernel>``.
+chunk_h_o is one of three warp-specialized kernels of 4 x WARPGROUP = 512 threads: roles by thread
+range, registers moved by setmaxnreg, tiles by TMA in NUM_STAGES stages, hand-offs in NUM_HANDOFF
+slots, mbarriers named below. Shared memory as allocated (Nsight Compute counts 1.5 KB more):
+
+  fused_reform_kernel            chain [0, CHAIN_END) REGS_CHAIN: S, U, W, V~, the update; scores
+   BV 16, 32: 133.5, 153.5 KiB   [.., SCORES_END) REGS_SCORES: WY, P; output [.., OUTPUT_END)
+                                 REGS_OUTPUT: O, stored from registers; producer [.., FUSED_THREADS)
+                                 REGS_PRODUCER: q, k, v, Ab, exp(g). bar_tiles_full/empty,
+                                 bar_wy_ready/free, bar_state_ready/free, bar_scores_ready/free
+  fused_state_value_kernel       state [0, WIDE_STATE_END) REGS_WIDE_STATE: S, its update; value
+   BV 64, 128: 153.5, 209.5 KiB  [.., WIDE_VALUE_END) REGS_WIDE_VALUE: U, W, V~, Vd; scores and
+                                 output [.., WIDE_SCORES_END) REGS_WIDE_SCORES: WY, P, O by TMA
+                                 store; producer. bar_tiles_full/empty, bar_scores_ready,
+                                 bar_state_ready/free, bar_vd_ready, bar_vn_ready/free
+  fused_state_in_registers_kernel  chain REGS_CHAIN: S^T in registers, U^T = S^T K^T, V~^T =
+   BV 64, ab = WY: 169.5 KiB     V^T WY^T - (U^T D) WY^T, S^T <- exp(g_C) S^T + Vd^T K; scores: P;
+                                 output: O by TMA store; producer. bar_tiles_full/empty,
+                                 bar_state_ready/free, bar_vn_ready/free, bar_scores_ready/free
+
+The warm-up kernel, WARMUP_THREADS = 384: chain [0, WARMUP_CHAIN_END) REGS_WARMUP_CHAIN (S^T in
+registers; U^T = S^T K^T, S^T <- exp(g_C) S^T + V^T XB - U^T XA), x [.., WARMUP_X_END) REGS_WARMUP_X
+(X = Ab^T K, XA, XB, a chunk ahead), producer REGS_WARMUP_PRODUCER; bar_tiles_full/empty,
+bar_x_ready/free; 129 KiB. The chain kernel: CHAIN_COLUMNS state columns a CTA; M_{j+1} (read only
+for a head with an exact slot) loads while M_j multiplies, CHAIN_STAGES buffers of 64 KiB.
+
+Which kernels run. The width BV (``block_v``) is the one of the fewest chunk steps, STEP[BV] x the
+largest of the longest sequence, CTA-chunks / SMs and waves x the shortest sequence. The solve
+stores WY, and fused_state_in_registers_kernel runs, at BV = WY_BLOCK_V after a solve of three or
+four heads a CTA, unsplit. AutoCP (``segment_chunks``, ``split_plan``) splits where a split costs
+fewer chunk steps than the unsplit launch, STEP[BV] (or WY_STEP) x the longest sequence's chunks. It
+weighs the lengths L of SEGMENT_LADDER up to a third of the longest sequence, and L0 and 2 L0 (L0:
+the shortest at which 2 HV CTAs a segment fit PHASE3_CTAS_PER_SM an SM), each at WAVE_CHUNK_STEPS L
+waves + SEGMENT_STEPS J + FIXED_STEPS (J: the longest sequence's segments); the fused kernel then
+walks the segments, its BV chosen for equal lengths. The lengths come from one host read of
+``cu_seqlens`` a tensor (``flashqla.varlen.host_bounds``); inside a CUDA-graph capture with none
+before it, the width assumes equal lengths, the rule one sequence of all the tokens, and the plan is
+built on the device.
 """
 
 import functools

@@ -9,6 +9,10 @@ A stage is one frozen file ``kernels/<op>/sNN_<what_changed>.py`` in a checkout.
     SOURCE_MUST_CONTAIN    (TileLang stages) strings that source must contain: the instructions
                            the stage is about, e.g. ("wgmma",)
 
+``MILESTONES`` is the course path: the stages the chapters teach, in order. Every other stage is
+the lab log, an experiment on the way from one milestone to the next, listed with its measured
+effect and verdict in ``kernels/lab_log.csv`` (``flashqla.lablog``, the book's Lab log page).
+
 The installed library never imports ``kernels``: ``discover`` loads the stage files by path from
 the checkout this package lives in, so the dependency points one way (kernels -> flashqla).
 """

@@ -1,13 +1,17 @@
-"""The tour: every stage this machine can run, on one default problem, checked and timed.
+"""The tour: the course path's stages on one default problem, checked and timed on this machine.
 
 Rows: the references (the naive recurrence in float64, the chunked form in bf16, which sets the
-tolerances), the public API, then every stage under ``kernels/`` in the checkout. Each is checked
-against the float64 chunked reference with ``flashqla.testing.check_op``; stages this machine
-cannot run are listed with the reason. Exits 1 if any check fails.
+tolerances), the public API, then the milestone stages (``flashqla.stages.MILESTONES``), or every
+stage under ``kernels/`` with ``all_stages``. Each is checked against the float64 chunked reference
+with ``flashqla.testing.check_op``. The stages this machine cannot run are listed once, grouped by
+the reason; from an installed wheel, which has no ``kernels/``, the tour says that stages need a
+checkout. It ends with the next step. Exits 1 if any check fails.
 """
 
 from __future__ import annotations
 
+import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +19,19 @@ import torch
 
 from flashqla import reference
 from flashqla.api import chunk_gated_delta_rule
-from flashqla.stages import discover
+from flashqla.stages import KERNELS_DIR, MILESTONES, Stage, discover
 from flashqla.testing import Problem, cast_floats, check_op, op_inputs, rel_l2
 from flashqla.timing import median_ms
 
 GPU_PROBLEM = Problem(16, 32, (4000, 1, 2500, 1691))
 CPU_PROBLEM = Problem(2, 4, (200, 1, 63), K=64, V=64)
+WIDTH = 100  # characters a line of the list of stages not run
+NEXT_STEP = ("next: the course starts at notebooks/01_recurrence.py (open the chapters as notebooks with "
+             "`python -m flashqla lab`), or run the quick tests: python3 -m pytest -m \"not slow\"")
+NO_CHECKOUT = ("stages: none here. They are files under kernels/ in a checkout of the repository, which "
+               "an installed wheel does not have: clone the repository and run `python3 -m pip install "
+               "-e .` from its root to run them.")
+NEXT_STEP_NO_CHECKOUT = "next: clone the repository: the chapters (notebooks/) and the stages (kernels/) are there"
 
 
 @dataclass
@@ -42,7 +53,9 @@ def _run_checked(name, op, fn, inputs, device) -> Row:
     return Row(name, str(device), checks[0].err, checks[0].bound, ms)
 
 
-def run_tour() -> tuple[Problem, list[Row]]:
+def run_tour(stages: list[Stage]) -> tuple[Problem, list[Row], list[tuple[Stage, str]]]:
+    """The table's rows (the references, the API, every stage of ``stages`` this machine runs) and
+    the stages it cannot run, each with the reason."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     problem = GPU_PROBLEM if device.type == "cuda" else CPU_PROBLEM
     inputs = problem.inputs(device)
@@ -59,14 +72,42 @@ def run_tour() -> tuple[Problem, list[Row]]:
                     ms=median_ms(bf16, device)))
     rows.append(_run_checked("flashqla.chunk_gated_delta_rule", "gdn_fwd", chunk_gated_delta_rule,
                              inputs, device))
-    for stage in discover():
+    not_run = []
+    for stage in stages:
         reason = stage.missing()
         if reason:
-            rows.append(Row(stage.name, "-", status=f"skipped: {reason}"))
+            not_run.append((stage, reason))
         else:
             rows.append(_run_checked(stage.name, stage.op, stage.module.run,
                                      op_inputs(stage.op, inputs), device))
-    return problem, rows
+    return problem, rows, not_run
+
+
+def select(stages: list[Stage], all_stages: bool) -> list[Stage]:
+    """The milestones in the course path's order, or every stage."""
+    if all_stages:
+        return stages
+    by_id = {s.id: s for s in stages}
+    return [by_id[m] for m in MILESTONES if m in by_id]
+
+
+def not_run_lines(not_run: list[tuple[Stage, str]], milestones_only: bool) -> list[str]:
+    """One line per reason, naming the stages it keeps from running, by op: a compact list."""
+    if not not_run:
+        return []
+    what = "milestone stages" if milestones_only else "stages"
+    lines = [f"not run on this machine ({len(not_run)} {what}):"]
+    by_reason: dict[str, dict[str, list[str]]] = {}
+    for stage, reason in not_run:
+        by_reason.setdefault(reason, {}).setdefault(stage.op, []).append(f"s{stage.number:02d}")
+    for reason, ops in by_reason.items():
+        # an op's stages stay on one line (non-breaking spaces) unless they are longer than one
+        pieces = [f"{op} {' '.join(numbers)}" for op, numbers in ops.items()]
+        pieces = [p if len(p) > WIDTH - 4 else p.replace(" ", "\xa0") for p in pieces]
+        text = textwrap.wrap(f"{reason}: " + "; ".join(pieces), WIDTH, initial_indent="  ",
+                             subsequent_indent="    ", break_long_words=False)
+        lines += [line.replace("\xa0", " ") for line in text]
+    return lines
 
 
 def format_table(problem: Problem, rows: list[Row]) -> str:
@@ -103,9 +144,21 @@ def plot(problem: Problem, rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def main(plot_path: Path) -> int:
-    problem, rows = run_tour()
+def main(plot_path: Path, all_stages: bool = False, kernels_dir: Path = KERNELS_DIR) -> int:
+    stages = select(discover(kernels_dir), all_stages)
+    with warnings.catch_warnings(record=True) as caught:  # e.g. the API on the reference: said once, below
+        warnings.simplefilter("always")
+        problem, rows, not_run = run_tour(stages)
     print(format_table(problem, rows))
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"note: {message}")
+    if not kernels_dir.is_dir():
+        print(NO_CHECKOUT)
+    for line in not_run_lines(not_run, not all_stages):
+        print(line)
+    if not all_stages and kernels_dir.is_dir():
+        print("(--all runs every stage, the lab log's too)")
     plot(problem, rows, plot_path)
     print(f"plot saved to {plot_path}")
+    print(NEXT_STEP if kernels_dir.is_dir() else NEXT_STEP_NO_CHECKOUT)
     return 1 if any(r.status.startswith("FAILED") for r in rows) else 0

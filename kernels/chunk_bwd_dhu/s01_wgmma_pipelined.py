@@ -43,7 +43,7 @@ about 3.1 us a chunk. On that path per chunk: three wgmma waited for in full, th
 round trips of dS and dV2, and the stores; Q^T dO' does not depend on dS and could overlap it.
 A second run gave 1.61 / 1.57 ms (FLA 1.90 / 1.23).
 
-Taught in: notebooks/07_backward.py.
+Taught in: notebooks/07_backward.py, as a kernel of gdn_bwd.s01.
 """
 
 import functools

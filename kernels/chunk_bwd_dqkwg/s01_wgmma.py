@@ -42,7 +42,7 @@ backend, on the same inputs in the same run; profiles/bwd_dqkwg_wy_s01_lab.py):
 exactly (dw). One CTA a multiprocessor (177 KB of shared memory): loads, products and stores of
 a value head run one after the other, and only the TMA of S and dS' overlaps the plain loads.
 
-Taught in: notebooks/07_backward.py
+Taught in: notebooks/07_backward.py, as a kernel of gdn_bwd.s01.
 """
 
 import functools

@@ -30,7 +30,7 @@ Correct on the public test shapes, on par with FLA on the large row and 1.4x fas
 one; its bf16 output equals FLA's (relative difference 0.0 at both shapes: the same products, in
 the same order, rounded the same way). A second run gave 0.585 / 0.122 ms (FLA 0.604 / 0.207).
 
-Taught in: notebooks/07_backward.py.
+Taught in: notebooks/07_backward.py, as a kernel of gdn_bwd.s01.
 """
 
 import functools

@@ -42,7 +42,7 @@ registers, 49 KB of shared memory). Tried in the same session: the solve on two 
 multiprocessor) and took 1.584 ms, slower than the chain. Overlapping one chunk's solve with the
 next chunk's loads is the next step.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: Lab log (book page lab_log); background in notebooks/03_forward_kernels.py.
 """
 
 import functools

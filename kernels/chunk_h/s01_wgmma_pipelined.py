@@ -50,7 +50,7 @@ code, not run through the tests) is 6-28% faster on every row: the first thing t
 An earlier run of the TMA-store version gave 2.02 / 1.87 / 1.16 / 1.14 ms on the same rows (FLA
 1.02 / 0.70 / 0.74 / 0.57): runs differ by up to ~25%, so compare only within one run.
 
-Taught in: notebooks/03_forward_kernels.py (to come).
+Taught in: notebooks/03_forward_kernels.py, as a kernel of gdn_fwd.s02.
 """
 
 import functools

@@ -35,7 +35,7 @@ kernel alone is timed, most of the time on small shapes); each value head reload
 (HV / H times the k traffic); the loads are plain, not TMA; and the fp32 A tile, the largest
 traffic (64 floats per token and head), is stored straight from registers.
 
-Taught in: notebooks/03_forward_kernels.py (to come).
+Taught in: Lab log (book page lab_log); background in notebooks/03_forward_kernels.py.
 """
 
 import functools

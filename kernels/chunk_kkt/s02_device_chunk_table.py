@@ -28,7 +28,7 @@ next call while the GPU runs the current one, where stage 01 drains the GPU on e
 remaining gap to the kernel is that host work, paid on every call; building the table once per
 forward (or in one kernel) removes it.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: notebooks/03_forward_kernels.py, as a kernel of gdn_fwd.s02.
 """
 
 import functools

@@ -23,7 +23,7 @@ the kernel alone takes 0.016 ms on (H, HV) = (16, 64), 1 x 32768 tokens and on (
 (launch-bound). ``run`` takes 0.35 / 0.34 ms: almost all of it is the host launching the ~25 small
 PyTorch ops of ``flashqla.varlen.chunk_table``, which a chained forward should build once.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: notebooks/03_forward_kernels.py, as a kernel of gdn_fwd.s02.
 """
 
 import functools

@@ -45,7 +45,7 @@ against the float64 reference). The library runs it from gdn_fwd.s26 on (commit 
 (A first timing, of one launch per graph replay, gave 17-18 us for both: that harness's launch
 overhead, not the kernels.)
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: Lab log (book page lab_log); background in notebooks/03_forward_kernels.py.
 """
 
 import functools

@@ -25,7 +25,7 @@ on (2, 8) 1x2048, 2.4 on (4, 16), 2.9 on (8, 32), where the table kernel took 3.
 shapes against the float64 reference; g_cum bit for bit s02's and the table and first_chunk equal
 to ``varlen``'s PyTorch table (``tests/test_varlen.py``).
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: Lab log (book page lab_log); background in notebooks/03_forward_kernels.py.
 """
 
 import functools

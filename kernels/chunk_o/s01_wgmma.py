@@ -33,7 +33,7 @@ whole head (BV = 128) beats two of 64: Q K^T and the Q, K loads are not repeated
 of the same code gave 1.25 / 0.47 / 0.81 / 0.78 ms (FLA 1.34 / 0.27 / 0.57 / 0.66): the
 small rows vary a lot between runs.
 
-Taught in: notebooks/03_forward_kernels.py (to come).
+Taught in: notebooks/03_forward_kernels.py, as a kernel of gdn_fwd.s02.
 """
 
 import functools

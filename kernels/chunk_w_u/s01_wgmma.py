@@ -27,7 +27,7 @@ is about 0.82x FLA. ``run`` adds the device chunk table (single call 1.24 / 0.80
 (so that K and V are plain copies) made the Ai loads scalar 2-byte loads with a per-column scale,
 2.30 / 1.16 ms, 2.7x slower.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: notebooks/03_forward_kernels.py, as a kernel of gdn_fwd.s02.
 """
 
 import functools

@@ -7,8 +7,9 @@ every value head (value head i reads key head i // (HV / H)),
 
 stored in bf16 per token like Ai ([B, T, HV, 64], token t holds row t mod 64 of its chunk's Ab).
 
-What changed from chunk_fwd_intra.s01 (the reformulation, notebooks/04): no gate. The decayed
-matrix of chunk_kkt is D L D^-1 (D = diag(exp(g_cum))), so its inverse is Gamma * A_r elementwise
+What changed from chunk_fwd_intra.s01 (the reformulation, notebooks/04_reformulation.py): no
+gate. The decayed matrix of chunk_kkt is D L D^-1 (D = diag(exp(g_cum))), so its inverse is
+Gamma * A_r elementwise
 and the recurrence kernel (gdn_fwd.s04) restores the gate with the 64 x 64 decay tile it builds
 anyway for the output; w and u are never formed, so this kernel stores only Ab (128 bytes a token
 and value head instead of the 512 of w and u). Without the gate, K K^T and the flags below are the
@@ -19,8 +20,9 @@ X diag(beta). The solve is chunk_fwd_intra.s01's scheme: warp w owns columns 16w
 16w on, the two lanes l, l ^ 16 of a column each sum half of every row (blocks of 4, one LDS.128)
 and meet with one shuffle.
 
-Precision policy (measured on CPU, float64 against fp32 solves, in notebooks/04): floating point is
-blind to the diagonal similarity D . D^-1, so the gate-free solve has exactly the rounding error of
+Precision policy (measured on CPU, float64 against fp32 solves, in notebooks/04_reformulation.py):
+floating point is blind to the diagonal similarity D . D^-1, so the gate-free solve has exactly
+the rounding error of
 the gated one, entry for entry relative to Gamma, as long as A_r stays in float32's range. Below
 the diagonal A_r_ij = -beta_i k_i^T P_{i-1} ... P_{j+1} k_j with P_l = I - beta_l k_l k_l^T, whose
 norm is max(1, |1 - beta_l ||k_l||^2|): where every token of the chunk has beta ||k||^2 <= 2
@@ -46,7 +48,7 @@ Python tuple (four copies, every index a constant) gives no stack frame and 137 
 thread (ptxas), and the compile takes 12 s instead of 80 s on the CPU machine; the GPU tests
 pass.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: notebooks/04_reformulation.py, as gdn_fwd.s04's solve.
 """
 
 import functools

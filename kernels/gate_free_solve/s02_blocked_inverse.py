@@ -54,7 +54,7 @@ reason for the losses, not yet checked with a profile: with two value heads per 
 CTAs are many and short, s01's per-head chains overlap across them, and s02's extra multiply-adds
 and second K K^T copy cost more than the chain they remove.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -51,7 +51,7 @@ s02's 2.35), occupancy 18 % as s02 (168 registers, 3 CTAs an SM), and the regist
 costs spills. The row chain was not what limited s02; the syncs between a pass's phases and the
 CTAs' occupancy are. The library keeps s02; no gdn_fwd stage reads this one.
 
-Taught in: notebooks/04_reformulation.py ("A right-looking solve")
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -50,6 +50,8 @@ on (16, 64) 1 x 8192 (Nsight Compute, above), so what it does better is inside t
 
 GPU tests: the public shapes (``tests/test_stages.py``), the flags and the flagged partial chunks
 (``tests/test_reformulation.py``) pass (4 x H100, commit 51893cc).
+
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -30,7 +30,7 @@ four value heads a key head, 0.89-0.92 with three, 0.83-0.84 with two, 0.77 with
 of the copy roof. With one value head a key head s04 is the fastest solve (0.87x s02), still
 0.77x FlashQLA's speed there.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -54,7 +54,7 @@ SASS instructions against s05's 4,400, 2,000 of them MUFU.EX2 on the flagged pat
 pipeline on s05, in the same run (geomean 1.035x over the 40 problems of
 ``profiles/results/gdn_fwd.csv``, 4 x H100, commit 02d7c5e).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

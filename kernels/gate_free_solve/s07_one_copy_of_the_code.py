@@ -28,7 +28,7 @@ to test: the 16 KiB of a_s (51 KiB a CTA, 35 in s06) and the loop over heads, wh
 barriers inside a branch (8 BAR instructions against 5). The lesson is the measurement: a
 smaller kernel was not a faster one here.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

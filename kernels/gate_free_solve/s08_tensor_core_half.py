@@ -26,7 +26,7 @@ shapes): faster than s06 only where a CTA holds one or two value heads: 0.83-0.8
 occupancy 18 %), ``short_scoreboard`` stalls first (3.02), then ``long_scoreboard`` (2.09). Not
 promoted: a solve chosen by heads a CTA (s08 at one or two, s06 at three or four) is the next step.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

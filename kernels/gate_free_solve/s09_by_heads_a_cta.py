@@ -21,7 +21,7 @@ lab above). In the forward (gdn_fwd.s22 against s21, which runs s05's solve; one
 e7a917b): 0.91-0.98x s21's time on the unsplit (16, 32) and (16, 16) problems but 1x2048. GPU
 tests: the public shapes (commit 3e168be).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 from flashqla import stages

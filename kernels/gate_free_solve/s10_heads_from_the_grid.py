@@ -34,7 +34,7 @@ take two heads a CTA and (16, 64) four.
 Precision: s08's where it runs (tf32 adds 1.5-2.9e-4 relative L2 to Ab against 1.6-1.9e-3 for
 its bf16 store); s06's elsewhere, as in s09.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import torch

@@ -29,7 +29,7 @@ Measured effect in the forward: gdn_fwd.s28's rows in ``results/gdn_fwd.csv``.
 
 Precision: s08's or s06's, as in s10, at the grouping chosen.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import torch

@@ -26,7 +26,7 @@ the flags past the bound and Ab and the flags bit for bit s08's on adversarial i
 
 Precision: s08's; the program is the same.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

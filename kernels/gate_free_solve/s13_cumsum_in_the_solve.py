@@ -32,7 +32,7 @@ The cumsum costs the solve kernel nothing measurable (8.4 us against s08's 8.9 a
 tests passed on the GPU: the public shapes; g_cum, the table and first_chunk bit for bit s03's and
 Ab and the flags bit for bit s12's on adversarial inputs (``tests/test_reformulation.py``).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -33,7 +33,7 @@ timed inside the forward. Its tests passed on the GPU: the public shapes; g_cum,
 first_chunk, Ab and the flags bit for bit s13's on adversarial inputs
 (``tests/test_reformulation.py``).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -18,8 +18,8 @@ k, and the B operand is loaded with rows permuted the same way (``b0`` at row 2 
 Why: s06's time is mostly shared-memory loads. Each lane computes one column of a block product
 and reads every K K^T entry it multiplies (16 lanes read the same word): about 2,240 loads a lane
 for four heads, about 9,000 warp-wide loads a CTA, which at one a cycle an SM make about 80 of the
-98 us Nsight Compute measured on (16, 64) 1x8192 (``results/ncu_gate_free_solve_s06.csv``; the
-count is notebooks/04_reformulation.py's). An m16n8k8 fragment is 4 (A) or 2 (B) loads a lane for
+98 us Nsight Compute measured on (16, 64) 1x8192 (``results/ncu_gate_free_solve_s06.csv``). An
+m16n8k8 fragment is 4 (A) or 2 (B) loads a lane for
 128 or 64 products: phase B's loads fall from about 2,000 to about 300 a lane.
 
 Precision: tf32 (rounded to nearest) in the level products, fp32 accumulation; the diagonal
@@ -45,7 +45,7 @@ shared-memory reads). In the forward: gdn_fwd.s42. Its GPU tests passed at ccabf
 (adversarial inputs against float64, the flagged heads' rows bit for bit s06's; the public
 shapes).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

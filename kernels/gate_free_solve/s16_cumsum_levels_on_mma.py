@@ -42,7 +42,7 @@ stores at one head, 96 and 108 at two); Ab within 5.2e-4 relative L2 of s14's (w
 half is tf32 too). In the forward: gdn_fwd.s43. Its GPU tests passed at 597433d (adversarial
 inputs against float64, the flagged heads' rows bit for bit s14's; the public shapes).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

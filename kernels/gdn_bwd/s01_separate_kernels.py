@@ -1,5 +1,9 @@
 """gdn_bwd, stage 01: the chunked backward as separate kernels, one per reference sub-step.
 
+The backward's first milestone. What it adds over the forward's milestones: the gradients, for
+training. Why this shape: like gdn_fwd.s02 it is the chunked form as one kernel per sub-step, the
+simplest correct version and FLA's shape, so that each kernel is checked and measured alone.
+
 What it computes (``flashqla.reference.chunk_gated_delta_rule_bwd_ref``): the gradients dq, dk, dv,
 dg, dbeta and dh0 of <dO, o> + <dht, final state> for the chunked forward, given dO and dht. Like
 FLA's backward it keeps nothing from the forward but its inputs: the intermediates are recomputed

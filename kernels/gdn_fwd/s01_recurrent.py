@@ -1,5 +1,11 @@
 """gdn_fwd, stage 01: the recurrence itself, one token after another, the state on chip.
 
+The first milestone of the course path. What it adds over what comes before it (the float64
+references of notebooks 01 and 02, plain PyTorch): the GPU. The recurrence runs as written, token
+by token, with the state in registers. Why: it is the definition of GDN, the simplest correct
+kernel, and it measures what the chunked form (s02) must remove: every token is a dependent step
+of O(K V) work on the CUDA cores, so the time is the length of the chain, not the work.
+
 What it computes (``flashqla.reference.chunk_gated_delta_rule_ref``): for every sequence and value
 head, starting from h = initial_state (zeros when None),
 
@@ -10,7 +16,7 @@ head, starting from h = initial_state (zeros when None),
 
 and returns o (bf16) and the final h (fp32) when asked.
 
-What changed versus s00 (FLA's chunked Triton kernels, called as a library): nothing is chunked.
+Against s00 (FLA's chunked Triton kernels, called as a library, the baseline): nothing is chunked.
 This is the definition of GDN run as written, and it shows why the chunked form is needed: every
 token is a step of O(K V) work on the CUDA cores (no matrix product, so no tensor cores) that
 depends on the step before, so a sequence of T tokens is T steps in a row however many SMs there
@@ -48,7 +54,7 @@ is what the chunked form removes. Register prefetch instead of staging: one toke
 consumer: within 3%. 16 lanes a column (BV = 8): 2.99 / 1.58 ms; 4 lanes a column (BV = 32):
 2.78 / 2.86 ms.
 
-Taught in: notebooks/03_forward_kernels.py (to come).
+Taught in: notebooks/03_forward_kernels.py.
 """
 
 import functools

@@ -1,11 +1,13 @@
 """gdn_fwd, stage 02: the chunked forward as separate TileLang kernels, one per reference sub-step.
 
-What changed from s01 (the recurrence): the sequence is cut into chunks of C = 64 tokens and the
-work is rewritten as matrix products (``flashqla.reference``, notebook 02), which run on the
-tensor cores (wgmma) and in parallel over every chunk; only the chain of T / 64 state updates
-stays sequential. Each sub-step is its own stage, checked on its own against its reference, and
-this stage only chains them, exactly as ``reference.chunk_gated_delta_rule_ref`` chains the
-references:
+What it adds over s01, the previous milestone: the chunked form. The sequence is cut into chunks of
+C = 64 tokens and the work is rewritten as matrix products (``flashqla.reference``,
+notebooks/02_chunked_form.py), which run on the tensor cores (wgmma) and in parallel over every
+chunk; only the chain of T / 64 state updates stays sequential. Each sub-step is its own stage,
+checked on its own against its reference, and this stage only chains them, exactly as
+``reference.chunk_gated_delta_rule_ref`` chains the references. Why: s01's time is the length of its
+token chain; chunking makes that chain 64 times shorter and turns each step into products the tensor
+cores run. The stages, in order:
 
     chunk_local_cumsum.s01   g                      -> g_cum       (fp32)
     chunk_kkt.s02            k, g_cum, beta         -> A           (fp32, 64 per token and head)
@@ -14,11 +16,11 @@ references:
     chunk_h.s01              k, w, u, g_cum, h0     -> h, v_new, final state
     chunk_o.s01              q, k, v_new, h, g_cum  -> o
 
-Why: it is the shape of FLA's forward, and the simplest correct chunked forward, so each kernel
-can be understood and measured alone. Its cost is the traffic between the kernels: every
-intermediate above crosses HBM twice (written, then read), the largest being the per-chunk
-states h (K V bf16 per chunk and value head) and v_new; chunk_h's ``run`` also reads the real
-chunk count on the host for varlen (one sync), to return h in FLA's exact shape. s03 fuses the
+Why one kernel a sub-step: it is the shape of FLA's forward, and the simplest correct chunked
+forward, so each kernel can be understood and measured alone. Its cost is the traffic between the
+kernels: every intermediate above crosses HBM twice (written, then read), the largest being the
+per-chunk states h (K V bf16 per chunk and value head) and v_new; chunk_h's ``run`` also reads the
+real chunk count on the host for varlen (one sync), to return h in FLA's exact shape. s03 fuses the
 last two kernels so that h and v_new never leave the chip.
 
 Measured effect (one H200, ``python -m flashqla bench``, every row in the same run,

@@ -1,9 +1,10 @@
 """gdn_fwd, stage 03: the state recurrence and the output in ONE kernel, fed by TMA, pipelined.
 
-What changed from s02 (one kernel per sub-step): chunk_h and chunk_o become one kernel, so the
-per-chunk states h (K x V per chunk and value head) and v_new never reach HBM: each CTA keeps its
-state on chip and emits o directly. The preparation (chunk_local_cumsum, chunk_kkt, kkt_solve,
-chunk_w_u) still runs as the separate stages of s02.
+What it adds over s02, the previous milestone: fusion. chunk_h and chunk_o become one kernel, so
+the per-chunk states h (K x V per chunk and value head) and v_new never reach HBM: each CTA keeps
+its state on chip and emits o directly. Why: in s02 every intermediate crosses HBM twice, and h
+(K V bf16 per chunk and value head) and v_new are the largest of them. The preparation
+(chunk_local_cumsum, chunk_kkt, kkt_solve, chunk_w_u) still runs as the separate stages of s02.
 
 One CTA per (sequence, value head, 64-column tile of V) walks the sequence's chunks in order. Per
 chunk of C = 64 tokens (the last one may be partial), with the state S (K x 64, fp32 registers):
@@ -53,7 +54,7 @@ tensor cores (tensor pipe busy 18 % of the time), DRAM at 20 % of peak, 18.6 % a
 (one 384-thread CTA per SM: 168 registers a thread, 153 KB of shared memory), top stall
 long_scoreboard: it is neither compute- nor memory-bound but latency-bound along the chunk chain.
 
-Taught in: notebooks/03_forward_kernels.py
+Taught in: notebooks/03_forward_kernels.py.
 """
 
 import functools

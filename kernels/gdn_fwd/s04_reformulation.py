@@ -1,9 +1,12 @@
 """gdn_fwd, stage 04: the algebraic reformulation. A gate-free solve, and w and u never formed.
 
-What changed from s03 (chunk_fwd_intra's w, u feeding the fused recurrence + output kernel): the
-preparation shrinks to the gate-free inverse of gate_free_solve.s01, and the recurrence kernel
-rebuilds the WY product itself. With D = diag(exp(g)) (g the chunk-local cumulative gate) the gated
-matrix is D L D^-1, so (I + A)^-1 = Gamma * A_r elementwise and
+What it adds over s03, the previous milestone: the algebra. s03's preparation (chunk_kkt,
+kkt_solve, chunk_w_u) forms w and u, which cross HBM into the fused kernel; here it shrinks to the
+gate-free inverse of gate_free_solve.s01, and the fused kernel rebuilds the WY product itself. Why:
+the solve no longer needs the gate, w and u (512 bytes a token and value head) never make a round
+trip, and one 64 x 64 exp tile a chunk serves both the output's mask and WY. With D = diag(exp(g))
+(g the chunk-local cumulative gate) the gated matrix is D L D^-1, so (I + A)^-1 = Gamma * A_r
+elementwise and
 
     v_new = u - w S = (Gamma * Ab) (V - D K S),    Ab = A_r diag(beta)   (gate_free_solve)
 
@@ -48,7 +51,7 @@ profiles/reformulation_lab.py timing; ms):
     (2, 8)   1 x 32768   2.222       1.917       0.200             1.281    2.168    2.138
     (16, 32) 8 x 4096    1.113       0.947       0.719             2.570    1.834    1.653
 
-(promoted = flashqla.fwd as it was then: cumsum, chunk_fwd_intra.s01, s03's kernel; the s04
+(promoted = the library's forward at the time: cumsum, chunk_fwd_intra.s01, s03's kernel; the s04
 kernel timed there computed the Gamma tile after the wait for Q K^T; it now does so while U and
 Q S run, a change the GPU tests passed and that is still to be timed). The reformulated kernel is
 13-17 % slower than s03's although it reads fewer bytes: s03 was latency-bound along the chunk
@@ -65,7 +68,7 @@ FLA 1.78, FlashQLA 0.64); on (16, 32) 1 x 32768 2.58 against s05's 2.12. The gai
 preparation: the gate-free solve replaces chunk_kkt, kkt_solve and chunk_w_u. Next: the chain in a warpgroup of its own (s05's organization), where the
 extra product can overlap the output work.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: notebooks/04_reformulation.py.
 """
 
 import functools

@@ -1,12 +1,15 @@
 """gdn_fwd, stage 05: the fused kernel warp-specialized: chain, scores, output and producer roles.
 
-What changed: s03's fused kernel ran the state chain and the output work in the same warps, one
-after the other (about 3.6 us a chunk, latency-bound; the chain alone took 1.7). Here each
-warpgroup of a 512-thread CTA has one duty, and they hand work to each other through shared
-memory, ordered by mbarriers, so the output of chunk c is computed while the chain already
-works on chunk c + 1. The math is still s03's (w, u from the preparation stages; s04's
-reformulated chain, U = K S, W = V - diag(exp g) U, V~ = (Gamma * Ab) W, is to be swapped into the
-block marked "chain math", with the producer loading v and Ab instead of u and w). Per chunk of
+What it adds over s04, the previous milestone: warp specialization. s04's fused kernel, like
+s03's, runs the state chain and the output work in the same warps, one after the other. Here each
+warpgroup of a 512-thread CTA has one role (chain, scores, output, producer), registers are moved
+between them by setmaxnreg, and they hand work to each other through shared memory, ordered by
+mbarriers, so the output of chunk c is computed while the chain already works on chunk c + 1.
+Why: in s03 the output work doubled the chain's path (about 3.6 us a chunk, latency-bound; the
+chain alone took 1.7). The math is s03's (w, u from the preparation stages), not s04's, so
+that the one change this milestone teaches is the organization; gdn_fwd.s07 (the lab log) puts
+s04's reformulated chain, U = K S, W = V - diag(exp g) U, V~ = (Gamma * Ab) W, into the block
+marked "chain math", with the producer loading v and Ab instead of u and w. Per chunk of
 C = 64 tokens, with S the CTA's K x 64 slice of the state (fp32, in the chain's registers):
 
     chain     V~ = U - W S (rows past the sequence end zeroed);
@@ -79,7 +82,7 @@ Nsight Compute (``profiles/ncu_lab.py``, (16, 64) 1 x 8192,
 cores (busy 27 % of the time), DRAM 33 % of peak, 24.8 % achieved occupancy (one 512-thread CTA
 per SM, 186 KB of shared memory), top stall long_scoreboard: still latency-bound.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: notebooks/05_warp_specialization.py.
 """
 
 import functools

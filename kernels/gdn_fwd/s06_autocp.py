@@ -1,12 +1,13 @@
 """gdn_fwd, stage 06: AutoCP, long sequences cut into segments whose chains run in parallel.
 
-What changed from the chain stage it builds on (``CHAIN``, s05's warp-specialized fused chain +
-output kernel; the measurements below ran it on s03's, which s05 replaced with the same interface):
-nothing in that kernel; it now runs over segments of L chunks instead of whole sequences, as one
-varlen problem whose "sequences" are the segments, each started from its own initial state. Why:
+What it adds over s05, the previous milestone: context parallelism on one GPU. s05's kernel
+(``CHAIN``; the measurements below ran it on s03's, which s05 replaced with the same interface) is
+unchanged; it now runs over segments of L chunks instead of whole sequences, as one varlen problem
+whose "sequences" are the segments, each started from its own initial state. Why:
 the chain is one sequential walk per (sequence, value head), so (2, 8) on one sequence of 32768
 tokens runs 16 CTAs on 132 SMs, each 512 chunks long. With AutoCP it runs 8 segments x 16 CTAs, 64
-chunks each. How the initial states come (``flashqla.autocp``; derivation in the notebook):
+chunks each. How the initial states come (``flashqla.autocp``; derivation in
+notebooks/06_autocp.py):
 
     plan      segment table and decision, on the device (no host synchronization): L chunks per
               segment from the tokens, sequences, heads and SM count; J slots per sequence
@@ -56,7 +57,7 @@ host time for the ~45 small launches of the plan and the chaining: CP pays eager
 about 32768 tokens; it is meant to run captured. (16, 64) forced on (one segment, no split) costs
 0.1-0.45 ms more than s03. FlashQLA's forward on (2, 8) 1 x 32768 is 0.40 ms (NOTES.md).
 
-Taught in: notebooks/06_autocp.py
+Taught in: notebooks/06_autocp.py.
 """
 
 import functools

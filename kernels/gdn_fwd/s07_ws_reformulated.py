@@ -80,7 +80,7 @@ FLA 3.963 and FlashQLA 1.522, 4.3x the floor (0.74x FlashQLA). Against the peers
 launches and the chain's per-chunk latency are not amortized), 0.33-1.11x FlashQLA (geomean
 0.55x; ahead only on (16, 48) 28672+4096). GPU tests: 24 of 24 public problems (H200).
 
-Taught in: notebooks/04_reformulation.py
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

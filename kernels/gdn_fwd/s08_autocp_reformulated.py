@@ -43,7 +43,7 @@ and no longer splits those two problems (not yet timed with the new rule). The l
 0.57-1.91x FLA and 0.37-1.17x FlashQLA there (geomean 1.18x and 0.63x), 1.04-1.55x this stage
 (the stage builds its varlen tables in each of its sub-calls).
 
-Taught in: notebooks/06_autocp.py (AutoCP, with s06) and notebooks/04_reformulation.py (s07)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import torch

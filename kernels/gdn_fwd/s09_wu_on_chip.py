@@ -133,7 +133,7 @@ build allocated 112 registers to the output warpgroup with setmaxnreg.inc, below
 starts with: an illegal instruction on the GPU; it gives them back with .dec now
 (tests/test_stages.py checks every stage's budgets).
 
-Taught in: notebooks/04_reformulation.py
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

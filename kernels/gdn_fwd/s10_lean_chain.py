@@ -138,7 +138,7 @@ fused kernel alone 1226 against s07's 1331 us on one H200 (torch.profiler,
 profiles/results/kernel_split.csv), 2.40 against 2.60 us a chunk: 500 instructions instead of 806
 bought 8 %, the chain being latency-bound (three dependent products a chunk), not issue-bound.
 
-Taught in: notebooks/04_reformulation.py
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -43,8 +43,7 @@ from 32768 tokens. The plan (``autocp.MIN_SAVED_CHUNKS`` = 100 since this stage 
 (with its varlen tables built once, by one kernel): 0.77-2.40x FLA (geomean 1.38x), 0.47-5.27x
 FlashQLA (geomean 0.81x); (16, 64) 1 x 32768 1.750 ms, 3.65x the floor, FlashQLA 1.538.
 
-Taught in: notebooks/06_autocp.py (AutoCP, with s06 and s08) and notebooks/04_reformulation.py (the
-fused kernel's lineage, s07)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import torch

@@ -12,8 +12,8 @@ launch at BV = 64 has num_seqs x HV x 2 CTAs, 32 on 132 SMs for one sequence of 
 time is the chain's chunk count times its per-chunk latency. At BV = 32 there are twice the CTAs,
 each walking the same chunks with half the columns: products of 64 x 32 instead of 64 x 64 and
 half the elementwise work. FlashQLA's fused kernel chooses its BV the same way (by CTA count: 32,
-64 or 128), and its own cost fit gives 2.08 us a chunk at BV 32 against 2.60 at 64 (the memo in
-notebooks/05's sources: flash_qla 0.1.3, ``fused_fwd.py``).
+64 or 128), and its own cost fit gives 2.08 us a chunk at BV 32 against 2.60 at 64 (flash_qla 0.1.3,
+``fused_fwd.py``).
 
 What the SASS shows (nvcc 13.0, sm_90a, (16, 16), nvdisasm; the chain's and output's loop bodies
 hold two chunks):
@@ -44,7 +44,7 @@ warpgroup did not set the pace enough to cancel the chain's gain. Nsight Compute
 ``long_scoreboard`` the top stall; FlashQLA's fused kernel there: 282 us, 32 %
 (``ncu_flashqla.csv``).
 
-Taught in: notebooks/04_reformulation.py ("Narrow CTAs for few heads")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -26,7 +26,7 @@ first build planned segments for the narrow CTAs (V / 32 CTAs a head) and split 
 into 4 long segments: 1.05 ms against s11's 0.81 (commit 4e37c66); hence the plan above. The
 library's forward runs this pipeline (``flashqla/fwd.py``).
 
-Taught in: notebooks/06_autocp.py (AutoCP) and notebooks/04_reformulation.py (the fused kernel)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import torch

@@ -71,7 +71,7 @@ state warpgroup: a slow store delayed every next snapshot. The same change to s1
 output warpgroup gained nothing (1.00-1.05x s12's time, a draft at commit e6d76aa): there the store
 is off the chain.
 
-Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

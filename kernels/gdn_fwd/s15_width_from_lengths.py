@@ -26,7 +26,7 @@ Measured effect (``python -m flashqla bench``, all 40 problems, 4 x H100, commit
 on 28672 + 4096 of (8, 24), (8, 32) and (16, 32) (32 columns); the one loss, 0.91x, is (2, 8)
 1 x 32768, which AutoCP splits.
 
-Taught in: notebooks/06_autocp.py (AutoCP) and notebooks/04_reformulation.py (the widths)
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 from typing import NamedTuple

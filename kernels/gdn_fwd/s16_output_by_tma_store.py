@@ -31,7 +31,7 @@ whole forward, on s14's equal-length width rule (``python -m flashqla bench``, 4
 188c42c): 0.96-1.17x s14, geomean 1.04x. The MEMBAR was the cost: O's 0.5 GB on (16, 64) 8 x 4096
 now leaves while the chain runs.
 
-Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

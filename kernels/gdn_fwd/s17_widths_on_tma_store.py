@@ -26,8 +26,7 @@ on (2, 8), (4, 16) and (16, 16) from 32768 tokens, where FlashQLA's split beats 
 (0.84-0.94x; on (16, 64) the solve alone is 0.51 ms of 1.32, and it took 1.13x FlashQLA's
 kkt_solve in ``kernel_split.csv``, one H200). It is the library's forward (``flashqla.fwd``).
 
-Taught in: notebooks/04_reformulation.py ("A state warpgroup for 128 columns") and
-notebooks/06_autocp.py (AutoCP)
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -58,7 +58,7 @@ prefix breakdown above, s17's, still applies to phases 2 and 3): phase 2 is J - 
 matmuls of ~8 us each (136 us at J = 16; FlashQLA chains in one 56 us kernel), and phase 3 at two
 CTAs an SM takes ~3.4 us a chunk step of each segment (111 us for 32 chunks on (2, 8)).
 
-Taught in: notebooks/06_autocp.py
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

@@ -58,7 +58,7 @@ every window kind, CP on against CP off, the flags, public shapes):
   7310763, the benchmark's 7 problems whose split changed, every row in one process) is 1.19-1.28x
   s18 and 0.74-1.03x FlashQLA there ((4, 16) 28672+4096: 1.03x; (2, 8) 1x8192: 0.74x, was 0.64x).
 
-Taught in: notebooks/06_autocp.py
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

@@ -44,7 +44,7 @@ rounding downstream: phase 3 rounds S to bf16 every chunk, and on exact (g = 0) 
 rounding is never decayed away. Both forwards pass the float64 check head by head; the cause is
 not proven.
 
-Taught in: notebooks/06_autocp.py
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

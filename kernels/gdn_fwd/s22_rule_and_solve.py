@@ -27,7 +27,7 @@ the rule or the solve changed; one H100, commit e7a917b, ``results/gdn_fwd.csv``
 - where both split alike: 0.96-1.03x (the runs' noise).
 GPU tests: the public shapes, AutoCP on vs off, flags, determinism, graph replay (commit 3e168be).
 
-Taught in: notebooks/04_reformulation.py (the solve), notebooks/06_autocp.py (the pipeline)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import torch

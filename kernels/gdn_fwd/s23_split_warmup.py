@@ -18,7 +18,7 @@ compiled with TileLang's defaults).
 Why: phase 1 is one wave of long CTAs. The windows of decaying heads are about a chunk (the
 benchmark's inputs: g near -2.2 or -0.18 a token), and only exact heads (g = 0, a quarter of them)
 walk the whole previous segment, Z and M alike: on every split problem of the sweep, at most 120
-CTAs of L chunks (notebook 06, section 11). So phase 1 takes L times the chain's latency a chunk:
+CTAs of L chunks. So phase 1 takes L times the chain's latency a chunk:
 150 us / 32 = 4.7 us on (2, 8) 1 x 32768, 260 / 64 = 4.1 on (16, 16) (s20's docstring). Phase 3
 runs s16's kernel there at 128 columns (its width rule, one wave of 128 CTAs): 3.3 us a chunk
 (107 us / 32) for twice the columns and the output too, and its chain is split this way; at 64
@@ -59,7 +59,7 @@ CP on vs off, flags, determinism and graph replay (10). Not promoted alone: gdn_
 phase 1 with a leaner phase 2, and refits the rule again on five problems these costs were the
 first to split without a sweep behind them.
 
-Taught in: notebooks/06_autocp.py (section 11)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

@@ -56,7 +56,7 @@ GPU tests (commit 6879a4c, with s23's rule): phase 2 bit for bit against s21's o
 M NaN where no slot is exact (3 plans); the public shapes (24); AutoCP's CP on vs off, flags,
 determinism, graph replay (10). The library's forward on this stage: ``test_promoted`` (c5feab3).
 
-Taught in: notebooks/06_autocp.py (section 12)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

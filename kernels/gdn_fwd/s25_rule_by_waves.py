@@ -29,7 +29,7 @@ rule's L): 0.93x s24's rule on (8, 32) and (16, 32) 28672+4096 (L 64: 1.074 and 
 0.174 against 0.171 ms, within the sweep's noise on that problem), the same choice on the other
 16. Not timed as a row of the benchmark yet, and not promoted.
 
-Taught in: notebooks/06_autocp.py (section 13)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import math

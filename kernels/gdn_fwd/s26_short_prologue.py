@@ -56,8 +56,7 @@ elsewhere the gain is the cumsum's 2-5 us, within two table launches of the stag
 GPU tests (commit 98a6f05): the public shapes (24), gate_free_solve.s10's (24), AutoCP's tests
 of this stage (7); the library bit for bit against it, ``test_promoted`` (12, commit d832bf8).
 
-Taught in: notebooks/06_autocp.py (section 14), notebooks/04_reformulation.py (the solve),
-notebooks/03_chunked_forward.py (the cumsum)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import torch

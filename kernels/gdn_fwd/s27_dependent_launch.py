@@ -44,7 +44,7 @@ on the path: on (8, 32) 1x2048 the solve takes 24 us at four heads a CTA where F
 (gate_free_solve.s11, gdn_fwd.s28). GPU tests: the public shapes (24); AutoCP's tests of this
 stage and the bit-for-bit test against s26, eager and two forwards in one graph (11; c45772f).
 
-Taught in: notebooks/06_autocp.py (section 15)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

@@ -30,7 +30,7 @@ solve. On every other problem of the benchmark s11 groups as s10 did, so s28 run
 GPU tests (commit 349a8ed): the public shapes (24), AutoCP's tests of this stage (7), the library
 bit for bit against it and its AutoCP check against float64 (``test_promoted``, 13).
 
-Taught in: notebooks/06_autocp.py (section 15), notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 from flashqla import autocp, stages

@@ -33,7 +33,7 @@ CSV), ms:
     (16, 16) 1x2048    0.0811   0.0799    0.1099
     (16, 16) 8x4096    0.3787   0.3593    1.1323
 
-Taught in: notebooks/06_autocp.py (section 17)
+Taught in: Lab log (book page lab_log); background in notebooks/06_autocp.py.
 """
 
 import functools

@@ -17,7 +17,7 @@ takes 15.6 us against s29's 20.4 (``results/timeline_prologue.csv``). Elsewhere 
 against s29 on (8, 24) 1x2048, eagerly and from a CUDA graph (``tests/test_autocp.py``), the solve
 at six CTAs an SM bit for bit s08's (``tests/test_reformulation.py``).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -18,7 +18,7 @@ where it is equal (gate_free_solve.s13's table, ``results/timeline_prologue.csv`
 for bit against s30 (the same table, g_cum, Ab and flags), eagerly and from a CUDA graph
 (``tests/test_autocp.py``).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

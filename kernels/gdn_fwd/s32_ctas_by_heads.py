@@ -20,7 +20,7 @@ s31 was not in that run (against s30 at ba1bffa: s31's docstring). (16, 16) 8x40
 grid where the solve alone gains most, was not timed. Its tests passed on the GPU: the public
 shapes; bit for bit against s31, eagerly and from a CUDA graph (``tests/test_autocp.py``).
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 from flashqla import autocp, stages

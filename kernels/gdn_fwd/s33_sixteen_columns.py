@@ -37,7 +37,7 @@ On the three problems that go to 16 columns the forward is 0.89-0.91x s32's time
 1.11-1.15x FlashQLA's speed. Its tests passed on the GPU: the public shapes; bit for bit against
 s32, eagerly and from a CUDA graph (``tests/test_autocp.py``).
 
-Taught in: notebooks/04_reformulation.py ("Narrow CTAs for few heads")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import torch

@@ -49,7 +49,7 @@ commit 6dddd4e, the API promoted to s34), ms:
 on the GPU: the public shapes; bit for bit against s33, eagerly and from a CUDA graph
 (``tests/test_autocp.py``).
 
-Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

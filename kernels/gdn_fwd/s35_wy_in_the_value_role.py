@@ -41,7 +41,7 @@ again, with ``keep`` loaded from global memory just before its first use. The le
 stage: take WY off the chain's warpgroups altogether (the solve can store Gamma * Ab; the what-if
 without the pass was 0.79-0.82x s34), not onto another of them.
 
-Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

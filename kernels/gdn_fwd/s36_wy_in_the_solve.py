@@ -50,7 +50,7 @@ running s34's kernels), ms:
 
 (16, 48) 1x32768 at 1.06x FlashQLA's speed, where the library is at 0.97x.
 
-Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -29,7 +29,7 @@ same process (``bench.time_row``), ms: (2, 8) 8x4096 0.1974 against 0.2091. Of t
 problems it stores WY on (16, 48) and (16, 64) at 1x2048, 1x8192, 1x32768 and 28672+4096, and on
 (2, 8) 8x4096. gdn_fwd.s40 replaced its wide kernel in the library.
 
-Taught in: notebooks/04_reformulation.py ("Inside the fused kernel: a clock on each role")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 from flashqla import autocp, stages

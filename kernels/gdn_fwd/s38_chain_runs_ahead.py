@@ -45,7 +45,7 @@ them the forward is slower: the few hundred cycles of waits it removed are withi
 themselves cost, and the masked Vd pass and two-slot buffers add instructions on the chain.
 gdn_fwd.s39 takes the chain's hand-offs out instead.
 
-Taught in: notebooks/04_reformulation.py ("The chain in registers")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -50,7 +50,7 @@ conversions, the stores of S_c^T and V~_c^T, the passes over U^T and V~^T), 1327
 TileLang's named barriers. The scores warpgroup waits 48 % of its span: the chain still sets the
 pace, now on its instruction stream.
 
-Taught in: notebooks/04_reformulation.py ("The chain in registers")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

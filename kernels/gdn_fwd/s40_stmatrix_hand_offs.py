@@ -48,7 +48,7 @@ run (``python -m flashqla bench``, one H100, commit 679347d), ms:
 The API at 1.11-1.70x FlashQLA's speed there; (16, 64) 1x32768 at 2.69x the floor (useful FLOPs at
 the bf16 GEMM roof measured in the same run), 271 TFLOP/s.
 
-Taught in: notebooks/04_reformulation.py ("The chain in registers")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -37,7 +37,7 @@ from 2461 to 2353 cycles and its wgmma from 1353 to 1199: the pace moved to the 
 whose new work costs more than the chain saved. M's stores go through a two-stage buffer (a slice:
 no stmatrix) and its pass reads WY from shared memory in the A operand's layout.
 
-Taught in: notebooks/04_reformulation.py ("The chain in registers")
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -27,7 +27,7 @@ against 19 in ``results/solve_kernels.csv``); why was not measured (a timeline o
 against float64 where s40's kernel runs, flagged chunks included, and the same bits eagerly and
 from a CUDA graph (``tests/test_autocp.py``); the public shapes.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

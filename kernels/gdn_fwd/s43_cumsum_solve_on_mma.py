@@ -30,7 +30,7 @@ geomean 1.22x, at least its speed on 39 of 40 ((8, 24) 28672+4096: 0.827 ms agai
 1.35-4.09x FLA's, geomean 2.50x; (16, 64) 1x32768 in 1.127 ms, 2.28x the floor. Its GPU tests
 passed at 597433d and the library's (test_promoted, test_api) at 1a05b0c.
 
-Taught in: notebooks/04_reformulation.py (the solve)
+Taught in: Lab log (book page lab_log); background in notebooks/04_reformulation.py.
 """
 
 import functools

@@ -1,8 +1,29 @@
 """gdn_fwd, stage 44: s43 with AutoCP's phase 1 (the warm-up kernel) on two dependent products a
-chunk, the state transposed in the chain's registers, and X = Ab^T K built beside it.
+chunk, the state transposed in the chain's registers, and X = Ab^T K built beside it. The
+library's forward (``flashqla.fwd``).
 
-What changed from s43: the warm-up kernel (``warmup_kernel``) and the rule's costs (below); the
-windows, phase 2 and phase 3 are s43's. s23's kernel walks each window as the fused kernel's chain does,
+What it adds over s06, the previous milestone (the road between them is the book's Lab log, 36
+gdn_fwd stages and 17 of the cumsum and the solve): s06 is AutoCP over s05's warp-specialized kernel
+on s03's math, with s02's four preparation kernels. s44 runs s04's reformulated math on those roles
+(s07) with a chain stripped to its products (s10), at a width chosen per launch from the sequence
+lengths: 16 or 32 value columns a CTA for few heads (s12, s33), 64 or 128 with the state in a
+warpgroup of its own and O stored by TMA (s14, s16, s34), and, where the solve can store WY (Gamma *
+Ab), a kernel holding S^T in the chain's registers (s36, s40). Its preparation is two launches, the
+cumsum writing the chunk table (chunk_local_cumsum.s03) and the gate-free solve
+(gate_free_solve.s15), or one, the solve making both in its prologue (s16); the solve's blocked
+inverse runs its block levels on mma.sync (s06, s15) at a grouping of heads and CTAs an SM chosen
+for the grid (s11, s14). AutoCP became lean: the plan from the lengths on the host, the windows in
+one kernel (s18), phase 1 on warp roles, now two dependent products a chunk (s20, s44), phase 2 in
+one kernel (s21, s24), a rule that prices every segment length by phase 3's waves (s25), refitted to
+each sweep. Every kernel is a programmatic dependent (s27). Why: each step removed what the role
+timelines, Nsight Compute or the split sweeps showed on the critical path. The effect, each against
+FlashQLA in the same run: s05's pipeline took 2.870 ms on (16, 64) 1x32768 against FlashQLA's 1.522
+(0.53x its speed; one H200, s07's run); s44's takes 1.126 against 1.561 (1.39x; one H100, fbf3c07),
+and is at least FlashQLA's speed on all 40 problems of the benchmark (below).
+
+What changed from s43, the stage before it: the warm-up kernel (``warmup_kernel``) and the rule's
+costs (below); the windows, phase 2 and phase 3 are s43's. s23's kernel walks each window as the
+fused kernel's chain does,
 
     U = K S,  W = V - diag(exp g) U,  V~ = WY W,  S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
 
@@ -67,7 +88,7 @@ error, on plain, flagged (gated chunks in exact windows) and broken inputs (cd21
 on against off per head, determinism and graph replay (71f4b9e); the public shapes (fbf3c07);
 the library's forward bit for bit this stage's (test_promoted, fbf3c07).
 
-Taught in: notebooks/06_autocp.py (section 18, phase 1 on two products)
+Taught in: notebooks/06_autocp.py.
 """
 
 import functools

@@ -73,7 +73,7 @@ warpgroup's own work and wgmma rose from 1797 to 4150 cycles a chunk.
 Its GPU tests passed (a31b494): the public shapes; the adversarial inputs, flagged chunks
 included; AutoCP's CP on against off, determinism and graph replay.
 
-Taught in: notebooks/06_autocp.py (section 20, the narrow chain on w and u)
+Taught in: Lab log (book page lab_log); background in notebooks/05_warp_specialization.py.
 """
 
 import functools

@@ -47,7 +47,7 @@ most likely (not profiled) latency bound, one CTA a multiprocessor (about 136 KB
 memory) running eight products, four cross-warpgroup row sums and their barriers in sequence per
 value head.
 
-Taught in: notebooks/07_backward.py
+Taught in: notebooks/07_backward.py, as a kernel of gdn_bwd.s01.
 """
 
 import functools
