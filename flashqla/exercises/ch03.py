@@ -87,6 +87,8 @@ def _output_hint(fused_chunk) -> str:
     got, error = run_answer("fused_chunk", fused_chunk, S.clone(), q_c, k_c, w_c, u_c, g_c, scale)
     if error:
         return f"called on one chunk it {error}"
+    if not (isinstance(got, tuple) and isinstance(got[0], torch.Tensor) and got[0].shape == u_c.shape):
+        return f"called on one chunk it must return (o_c {tuple(u_c.shape)}, the state leaving it)"
     v_new = u_c - w_c @ S
     S_next = torch.exp(g_c[-1]) * S + k_c.T @ (torch.exp(g_c[-1] - g_c)[:, None] * v_new)
     scores = q_c @ k_c.T * torch.exp(torch.tril(g_c[:, None] - g_c[None, :]))
