@@ -88,14 +88,17 @@ ROOT = KERNELS_DIR.parent
 
 # %%
 STAGES = discover()
-# the course path with its one-line comments, as flashqla/stages.py lists it
-for stage_id, what in re.findall(r'"(gdn_\w+\.s\d\d)",\s*#\s*(.+)', inspect.getsource(stages)):
+# the course path, each milestone with its one-line comment in flashqla/stages.py
+path = re.findall(r'"(gdn_\w+\.s\d\d)",\s*#\s*(.+)', inspect.getsource(stages))
+assert [stage_id for stage_id, _ in path] == list(MILESTONES), path
+for stage_id, what in path:
     print(f"{stage_id:12s} {what}")
 
 # %% [markdown]
 # Every other stage is the *lab log*: the experiments between two milestones, each frozen, tested
-# and measured, some kept and some dropped. The book page *Lab log* lists them with what each
-# changed and what it measured; you never need it to follow the course.
+# and measured, some kept and some dropped (`Stage.milestone` is False). The book page
+# [Lab log](../lab_log.md) lists them with what each changed and what it measured; you never need
+# it to follow the course.
 
 # %%
 lab_log = Counter(s.op for s in STAGES if not s.milestone)
@@ -413,7 +416,7 @@ for H, HV, T_ in ((2, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 64, 2048
 # With few heads and one long sequence, the chain alone sets the time and most SMs are idle: for
 # (2, 8) only 16 CTAs have work. Nsight Compute shows what the fused kernel does with its time,
 # next to the two FLA kernels it replaces, profiled on the same card model and problem at two
-# commits (`profiles/ncu_lab.py`; the book page *Nsight labs* says how to run it):
+# commits (`profiles/ncu_lab.py`; the book page [Nsight labs](../nsight_labs.md) says how to run it):
 
 # %%
 ncu = [r for n in ("s00", "s03") for r in bench.read_csv(bench.RESULTS / f"ncu_gdn_fwd_{n}.csv")
@@ -440,9 +443,9 @@ for r in ncu:
 # ## How every stage is checked
 #
 # A stage passes when every output is within a bound derived from bf16 arithmetic
-# (`flashqla.testing.check_op`, the book page "How a stage is checked"): with $\mathrm{err}$ the
-# relative L2 error against the float64 reference and $\mathrm{err}_{\mathrm{bf16}}$ the error of
-# the same reference math run in bf16 PyTorch,
+# (`flashqla.testing.check_op`, the book page [How a stage is checked](../checking.md)): with
+# $\mathrm{err}$ the relative L2 error against the float64 reference and
+# $\mathrm{err}_{\mathrm{bf16}}$ the error of the same reference math run in bf16 PyTorch,
 #
 # $$
 # \mathrm{err} \le 2 \max(\mathrm{err}_{\mathrm{bf16}}, 2^{-9}).
