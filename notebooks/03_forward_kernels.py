@@ -137,7 +137,7 @@ def summary_line(module):
 def design(module):
     """A stage's docstring up to its measured effect: what it computes, what changed, and why."""
     doc = inspect.getdoc(module)
-    return doc[:doc.index("\nMeasured effect")].rstrip() if "\nMeasured effect" in doc else doc
+    return doc[:doc.index("\nMeasured effect")].rstrip()
 
 
 def show_source(fn, first, last):
