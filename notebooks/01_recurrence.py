@@ -38,7 +38,6 @@
 
 # %%
 import inspect
-import math
 import time
 
 import matplotlib.pyplot as plt

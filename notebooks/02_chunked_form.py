@@ -38,7 +38,6 @@
 
 # %%
 import inspect
-import math
 
 import matplotlib.pyplot as plt
 import torch

@@ -51,7 +51,6 @@
 # the committed results in `profiles/results/`.
 
 # %%
-import csv
 import inspect
 import math
 import re
@@ -548,7 +547,7 @@ print(bench.format_rows([{c: c for c in bench.COLUMNS}]
 
 # %%
 def geomean(xs):
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 print(f"{'implementation':34s} {'problems':>8s} {'vs FLA':>7s} {'(min-max)':>11s} {'vs FlashQLA':>11s} "
