@@ -18,15 +18,26 @@
 # chapter defines exactly what is computed (the recurrence, with the conventions of FLA's
 # `chunk_gated_delta_rule`), explains why it has this form, runs the float64 reference on small
 # examples, and ends with the reason it cannot be run on a GPU as written: it is one long chain of
-# tiny sequential steps. The next chapter rewrites it so that most of the work becomes matrix
-# products.
+# tiny sequential steps. Chapter 2 rewrites it so that most of the work becomes matrix products.
 #
-# Everything here runs on a CPU in a few seconds. The code that defines GDN lives in the library
-# (`flashqla.reference`); this notebook only imports it, prints it and checks it.
+# **What you will learn**
+#
+# - the recurrence of one value head, token by token, and the shapes of FLA's API (GVA heads,
+#   packed sequences with `cu_seqlens`, initial and final states);
+# - why it has this form: a key-value memory, the delta rule as one step of online least squares,
+#   the gate as forgetting, and why the state cannot blow up;
+# - how to check any implementation against the float64 reference (`flashqla.reference`);
+# - what the recurrence costs, and why a GPU cannot run it fast as written.
+#
+# **What you need first**
+#
+# Matrix products and outer products, the spectral norm, and PyTorch tensors (`einsum` helps).
+# Nothing about GPUs yet. Everything here runs on a CPU in a few seconds. The code that defines GDN
+# lives in the library (`flashqla.reference`); this chapter only imports it, prints it and checks
+# it.
 
 # %%
 import inspect
-import math
 import time
 
 import matplotlib.pyplot as plt
@@ -35,6 +46,7 @@ import torch.nn.functional as F
 
 import flashqla
 from flashqla import reference
+from flashqla.exercises.ch01 import check_gdn_step, check_run_packed
 from flashqla.testing import rel_l2
 
 torch.manual_seed(0)
@@ -371,7 +383,7 @@ assert err_o < 1e-14 and err_h < 1e-14, (err_o, err_h)
 #
 # The final state is everything the layer remembers, so a sequence can be processed in pieces:
 # run tokens $[0, T_1)$, pass the final state as the `initial_state` of tokens $[T_1, T)$. This is how
-# prefill continues into decoding, and it is the fact that context parallelism (later chapters)
+# prefill continues into decoding, and it is the fact that context parallelism (chapter 6)
 # exploits.
 
 # %%
@@ -392,12 +404,13 @@ assert err_o < 1e-14 and err_h < 1e-14, (err_o, err_h)
 # %% [markdown]
 # ## The public API
 #
-# `flashqla.chunk_gated_delta_rule` has FLA's signature. Until a GPU kernel is promoted into it, it
-# runs the chunked reference of the next chapter in float32 (float64 for float64 inputs) on the
-# inputs' device:
+# `flashqla.chunk_gated_delta_rule` has FLA's signature. On an SM90 GPU (H100, H200) with bf16
+# $q, k, v$ and $K = V = 128$ it runs the library's kernels, which chapters 3 to 7 build; anywhere
+# else (here: a CPU) it runs the chunked reference of chapter 2 in float32 (float64 for float64
+# inputs) on the inputs' device, after a one-time warning that says why.
 
 # %%
-print(inspect.getsource(flashqla.chunk_gated_delta_rule))
+print("flashqla.chunk_gated_delta_rule" + str(inspect.signature(flashqla.chunk_gated_delta_rule)))
 
 # %% [markdown]
 # Call it on the packed example in float32 and compare with the float64 recurrence. How close
@@ -529,3 +542,107 @@ print(f"chains: {hv_model} for {sms} SMs -> {hv_model / sms:.0%} of the SMs have
 #   transition never amplifies, and $\beta = 1$ overwrites the value at a key exactly.
 # - Sequences pack along $T$ with `cu_seqlens`; states chain across pieces exactly.
 # - As written it is $T$ dependent steps of matrix-vector work: no tensor cores, little parallelism.
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise gives a function with one plausible mistake, on the line marked `# TODO`. Run the
+# check cell: it runs your function on four packed sequences (1, 37, 64 and 100 tokens) with four
+# value heads (no decay, strong decay, two ordinary decays) and compares it with the float64
+# recurrence, allowing twice the error of the same recurrence run in bf16 (the bound every kernel in
+# this project must meet; chapter 3 explains it). It says **PASS**, or what is wrong and where.
+# The solution is folded below each check.
+#
+# ### 1. One token
+#
+# Complete one token's update of one value head: decay, delta-rule error, rank-one write, read.
+# The starting code computes the error $e_t$ from the prediction $h^\top k_t$ of the state it was
+# given. Which state should predict $v_t$? (Look at the equations at the top of the chapter.)
+
+# %% tags=["exercise"]
+def gdn_step(h, q_t, k_t, v_t, g_t, beta_t, scale):
+    """One token of one value head: state h [K, V] -> (o_t [V], the new state [K, V])."""
+    e = beta_t * (v_t - h.T @ k_t)            # TODO: is this the state that should predict v_t?
+    h = torch.exp(g_t) * h                    # decay
+    h = h + torch.outer(k_t, e)               # rank-one write at key k_t
+    o_t = h.T @ (scale * q_t)                 # read with the query
+    return o_t, h
+
+
+answer = gdn_step
+
+# %% tags=["check"]
+check_gdn_step(answer)
+
+# %% tags=["solution", "hide-input"]
+def gdn_step(h, q_t, k_t, v_t, g_t, beta_t, scale):
+    """One token of one value head: state h [K, V] -> (o_t [V], the new state [K, V])."""
+    h = torch.exp(g_t) * h                    # decay first
+    e = beta_t * (v_t - h.T @ k_t)            # the error of the decayed state's prediction
+    h = h + torch.outer(k_t, e)
+    o_t = h.T @ (scale * q_t)
+    return o_t, h
+
+
+answer = gdn_step
+result = check_gdn_step(answer)
+assert result.passed, result
+result
+
+# %% [markdown]
+# The check says where the mistake shows: only on the heads that decay. With $g = 0$ the two orders
+# agree, which is why a test on undecayed inputs alone would never catch it.
+#
+# ### 2. Packed sequences
+#
+# `run_packed` walks all packed tokens in one loop, every value head at once, and must restart the
+# state at each sequence start (`cu_seqlens`) from that sequence's own initial state. The starting
+# code loads a state at every sequence start, but the wrong one.
+
+# %% tags=["exercise"]
+def run_packed(q, k, v, g, beta, initial_state, cu_seqlens):
+    """Sequences packed along T (B = 1) -> (o [1, T, HV, V], final states [N, HV, K, V])."""
+    hv, scale = v.shape[2], q.shape[3] ** -0.5
+    q, k = reference.expand_heads(q, hv)[0], reference.expand_heads(k, hv)[0]   # [T, HV, K]
+    starts, ends = cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()
+    o, finals = torch.zeros_like(v[0]), []
+    for t in range(v.shape[1]):
+        if t in starts:                                   # sequence starts.index(t) begins here
+            h = initial_state[0]                          # TODO: which sequence's state?
+        h = torch.exp(g[0, t])[:, None, None] * h                                   # decay
+        e = beta[0, t, :, None] * (v[0, t] - torch.einsum("hkv,hk->hv", h, k[t]))   # error
+        h = h + k[t][:, :, None] * e[:, None, :]                                    # write
+        o[t] = torch.einsum("hkv,hk->hv", h, scale * q[t])                          # read
+        if t + 1 in ends:                                 # a sequence ends after token t
+            finals.append(h)
+    return o[None], torch.stack(finals)
+
+
+answer = run_packed
+
+# %% tags=["check"]
+check_run_packed(answer)
+
+# %% tags=["solution", "hide-input"]
+def run_packed(q, k, v, g, beta, initial_state, cu_seqlens):
+    """Sequences packed along T (B = 1) -> (o [1, T, HV, V], final states [N, HV, K, V])."""
+    hv, scale = v.shape[2], q.shape[3] ** -0.5
+    q, k = reference.expand_heads(q, hv)[0], reference.expand_heads(k, hv)[0]
+    starts, ends = cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()
+    o, finals = torch.zeros_like(v[0]), []
+    for t in range(v.shape[1]):
+        if t in starts:
+            h = initial_state[starts.index(t)]            # each sequence from its own state
+        h = torch.exp(g[0, t])[:, None, None] * h
+        e = beta[0, t, :, None] * (v[0, t] - torch.einsum("hkv,hk->hv", h, k[t]))
+        h = h + k[t][:, :, None] * e[:, None, :]
+        o[t] = torch.einsum("hkv,hk->hv", h, scale * q[t])
+        if t + 1 in ends:
+            finals.append(h)
+    return o[None], torch.stack(finals)
+
+
+answer = run_packed
+result = check_run_packed(answer)
+assert result.passed, result
+result

@@ -13,26 +13,38 @@
 # %% [markdown]
 # # The chunked form and the WY representation
 #
-# The recurrence of the previous chapter is $T$ dependent rank-one steps per (sequence, value head).
-# This chapter groups $C$ consecutive tokens into a *chunk* and solves for all of a chunk's
-# delta-rule errors at once. Inside a chunk everything becomes products of $C \times C$,
-# $C \times K$ and $K \times V$ matrices, which run on tensor cores and in parallel over all chunks;
-# the only sequential part left is a chain of $T / C$ state updates.
+# The recurrence of chapter 1 is $T$ dependent rank-one steps per (sequence, value head). This
+# chapter groups $C$ consecutive tokens into a *chunk* and solves for all of a chunk's delta-rule
+# errors at once. Inside a chunk everything becomes products of $C \times C$, $C \times K$ and
+# $K \times V$ matrices, which run on tensor cores and in parallel over all chunks; the only
+# sequential part left is a chain of $T / C$ state updates.
 #
-# We derive the form, meet its central object (a triangular inverse that is the *UT transform*
-# behind the compact WY representation of a product of Householder-like factors), then walk through
-# the six sub-steps of `flashqla.reference` that the GPU kernels implement one by one, checking each
-# against the token-by-token recurrence in float64. We finish with precision, cost and parallelism.
+# **What you will learn**
+#
+# - to unroll the recurrence over a chunk and solve for its errors with one triangular inverse,
+#   $\mathcal{T} = (I + A)^{-1}$: the *UT transform* behind the compact WY representation of a
+#   product of Householder-like factors;
+# - the six sub-steps of `flashqla.reference` that the GPU kernels implement one by one
+#   (`chunk_local_cumsum`, `chunk_kkt`, `kkt_solve`, `chunk_w_u`, `chunk_h`, `chunk_o`), each
+#   checked against the token-by-token recurrence in float64;
+# - how precise the chunked form is in float32 and bf16, and why every exponent must stay $\le 0$;
+# - what it costs (FLOPs, bytes) and how much parallelism it exposes.
+#
+# **What you need first**
+#
+# Chapter 1 (the recurrence, its shapes and `cu_seqlens`), and triangular matrices: forward
+# substitution, and why a unit lower-triangular matrix is always invertible. Everything runs on a
+# CPU in seconds.
 
 # %%
 import inspect
-import math
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
 from flashqla import reference
+from flashqla.exercises.ch02 import check_chunk_local_cumsum, check_ut_transform
 from flashqla.testing import Problem, cast_floats, rel_l2
 
 torch.manual_seed(0)
@@ -208,7 +220,7 @@ chunks = [(s, min(s + C, T)) for s in range(0, T, C)]
 print("chunks:", chunks)
 
 # %% [markdown]
-# The ground truth comes from notebook 01's recurrence, run one token at a time with the state
+# The ground truth comes from chapter 1's recurrence, run one token at a time with the state
 # chained through `initial_state`, so that every intermediate state is available. The delta-rule
 # errors $e_t$ then follow from their definition applied to those states:
 # $e_t = \beta_t (v_t - (e^{g_t} h_{t-1})^\top k_t)$.
@@ -432,8 +444,9 @@ assert err_o < 1e-10 and err_h < 1e-10, (err_o, err_h)
 #
 # Inputs here come from `flashqla.testing.Problem`, the generator the tests use: bf16 $q, k, v$ with
 # unit $q, k$; four value heads with $g = 0$, strong decay ($g \approx -2$ per token), and ordinary
-# decay; a random initial state. Truth is the float64 recurrence on the same (already bf16-rounded)
-# inputs, so only the arithmetic differs. $K = V = 64$ keeps it fast.
+# decay; a random initial state. Truth is the float64 chunked reference on the same (already
+# bf16-rounded) inputs, which matches the recurrence to float64 rounding (checked above), so only
+# the arithmetic differs. $K = V = 64$ keeps it fast.
 
 # %%
 names = ("q", "k", "v", "g", "beta", "initial_state")
@@ -446,7 +459,7 @@ def inputs_in(inp, dtype):
 
 lengths = [128, 512, 2048]
 problems = {T_: Problem(H=1, HV=4, lengths=(T_,), varlen=False, K=64, V=64).inputs(seed=1) for T_ in lengths}
-truth = {T_: reference.naive_recurrent_gated_delta_rule(**inputs_in(inp, f64), output_final_state=True)
+truth = {T_: reference.chunk_gated_delta_rule_ref(**inputs_in(inp, f64), output_final_state=True)
          for T_, inp in problems.items()}
 errs = {dt: [] for dt in (torch.float32, torch.bfloat16)}
 for T_, inp in problems.items():
@@ -554,7 +567,7 @@ assert torch.isfinite(Gamma_lib).all() and rel_l2(Gamma_lib, Gamma_true) < 1e-6
 # | $Q h$ | $C \cdot K \cdot V$ | `chunk_o` |
 #
 # plus the triangular inversion (about $C^3 / 3$ FLOPs, small) and elementwise work. The recurrence
-# does about $7 K V$ FLOPs per token (notebook 01), all of it matrix-vector work.
+# does about $7 K V$ FLOPs per token (chapter 1), all of it matrix-vector work.
 
 # %%
 Kc = Vc = 128
@@ -677,14 +690,108 @@ fig.tight_layout()
 # The chunked form cuts the sequential depth by $C = 64$ and gives the parallel steps thousands of
 # independent tiles. The chain in `chunk_h` still has only $N \cdot H_V$ members: with few heads and one
 # long sequence, fewer than the 132 SMs. Closing that gap (splitting a long sequence into segments
-# processed in parallel, "context parallelism") comes in a later chapter.
+# processed in parallel, "context parallelism") is chapter 6.
 #
-# ## What comes next
+# ## Summary
 #
-# - **Notebook 03** writes a GPU kernel for each sub-step (`chunk_local_cumsum`, `chunk_kkt`,
-#   `kkt_solve`, `chunk_w_u`, `chunk_h`, `chunk_o`) and checks it against the reference functions
-#   printed here, with the tolerance derived from the bf16 error measured above.
-# - **Notebook 04** removes the gate from the solve: since the decayed operator is
-#   $D L D^{-1}$ with $D = \operatorname{diag}(e^{\gamma})$, the inverse $(I + D L D^{-1})^{-1} =
-#   D (I + L)^{-1} D^{-1}$ can be computed once without decays and the gate restored elementwise,
-#   which lets one $C \times C$ exponential tile serve both $\mathcal{T}$ and the output mask.
+# - Unrolled over a chunk, the delta-rule errors satisfy $(I + A) E = \operatorname{diag}(\beta) V -
+#   \operatorname{diag}(\beta e^{\gamma}) K h_0$ with $A = \operatorname{StrictLower}(\operatorname{diag}(\beta)
+#   K K^\top \odot \Gamma)$, so $E = u - w h_0$ where $w$ and $u$ depend only on the chunk.
+# - $\mathcal{T} = (I + A)^{-1}$ is the UT transform: the chunk's $C$ transitions multiply out to
+#   $e^{\gamma_C} I - K^\top \operatorname{diag}(e^{\gamma_C - \gamma}) w$ (compact WY form).
+# - The six sub-steps of `flashqla.reference` match the recurrence to float64 rounding, for single
+#   and packed sequences; `chunk_local_cumsum` restarts at every chunk and every sequence start, and
+#   `chunk_h` reads the decay to a partial chunk's end at its last real token.
+# - Float32 and bf16 errors stay at a few units of their rounding, flat in $T$; every exponent is a
+#   difference $\gamma_i - \gamma_j \le 0$, so strong decays underflow to the right limit, never NaN.
+# - The chunked form does about $1.6\times$ the recurrence's FLOPs, on tensor cores; run as six
+#   kernels it moves many times the minimum bytes, and only `chunk_h` remains a chain, of $T / C$
+#   steps, with $N \cdot H_V$ members.
+#
+# What comes next: chapter 3 writes GPU kernels for these sub-steps, then fuses `chunk_h` and
+# `chunk_o`; chapter 4 removes the gate from the solve ($(I + D L D^{-1})^{-1} = D (I + L)^{-1}
+# D^{-1}$ with $D = \operatorname{diag}(e^{\gamma})$), so that $w$ and $u$ need never be formed.
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise gives a function with one plausible mistake, on the line marked `# TODO`. The
+# check cell hands it to `flashqla.testing.check_op`, the same check every GPU kernel of chapter 3
+# passes: on four packed sequences (1, 100, 64 and 130 tokens) with four value heads (no decay,
+# strong decay, two ordinary), it allows twice the error of the same reference math run in bf16.
+# It says **PASS**, or what is wrong and what the mistake looks like. The solution is folded below.
+#
+# ### 1. The chunk-local cumsum of packed sequences
+#
+# $\gamma$ restarts at every chunk start, and chunks are counted from each *sequence's* first
+# token: with `cu_seqlens = [0, 1, 101, ...]`, the second sequence's chunks start at tokens 1 and
+# 65, not 64. The starting code cuts the packed tokens into chunks of 64 from token 0.
+
+# %% tags=["exercise"]
+def my_chunk_local_cumsum(g, cu_seqlens, chunk_size=64):
+    """g [1, T, HV] -> g_cum [1, T, HV]: the cumsum of g restarting at every chunk start."""
+    g_cum = torch.empty_like(g)
+    for start in range(0, g.shape[1], chunk_size):     # TODO: where does each chunk start?
+        g_cum[:, start:start + chunk_size] = g[:, start:start + chunk_size].cumsum(1)
+    return g_cum
+
+
+answer = my_chunk_local_cumsum
+
+# %% tags=["check"]
+check_chunk_local_cumsum(answer)
+
+# %% tags=["solution", "hide-input"]
+def my_chunk_local_cumsum(g, cu_seqlens, chunk_size=64):
+    """g [1, T, HV] -> g_cum [1, T, HV]: the cumsum of g restarting at every chunk start."""
+    g_cum = torch.empty_like(g)
+    bounds = cu_seqlens.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):      # each sequence
+        for start in range(bos, eos, chunk_size):      # its chunks, from its first token
+            end = min(start + chunk_size, eos)
+            g_cum[:, start:end] = g[:, start:end].cumsum(1)
+    return g_cum
+
+
+answer = my_chunk_local_cumsum
+result = check_chunk_local_cumsum(answer)
+assert result.passed, result
+result
+
+# %% [markdown]
+# ### 2. The UT transform
+#
+# For one chunk of one value head, form $A = \operatorname{StrictLower}(\operatorname{diag}(\beta)
+# K K^\top \odot \Gamma)$ and return $\mathcal{T} = (I + A)^{-1}$. The check builds $w$ and $u$
+# from your $\mathcal{T}$ and compares them with `chunk_fwd_intra`. The starting code keeps one
+# triangle too many of $A$.
+
+# %% tags=["exercise"]
+def ut_transform(k_c, beta_c, g_c):
+    """One chunk, one value head: k_c [n, K], beta_c [n], g_c [n] (gamma) -> T = (I + A)^-1 [n, n]."""
+    n = k_c.shape[0]
+    Gamma = torch.exp(torch.tril(g_c[:, None] - g_c[None, :]))    # exponents <= 0 (1 above the diagonal)
+    A = torch.tril(beta_c[:, None] * (k_c @ k_c.T) * Gamma)        # TODO: which entries does A keep?
+    return torch.linalg.solve_triangular(torch.eye(n, dtype=A.dtype) + A, torch.eye(n, dtype=A.dtype),
+                                         upper=False)
+
+
+answer = ut_transform
+
+# %% tags=["check"]
+check_ut_transform(answer)
+
+# %% tags=["solution", "hide-input"]
+def ut_transform(k_c, beta_c, g_c):
+    """One chunk, one value head: k_c [n, K], beta_c [n], g_c [n] (gamma) -> T = (I + A)^-1 [n, n]."""
+    n = k_c.shape[0]
+    Gamma = torch.exp(torch.tril(g_c[:, None] - g_c[None, :]))
+    A = torch.tril(beta_c[:, None] * (k_c @ k_c.T) * Gamma, -1)    # strictly lower: j < i
+    return torch.linalg.solve_triangular(torch.eye(n, dtype=A.dtype) + A, torch.eye(n, dtype=A.dtype),
+                                         upper=False)
+
+
+answer = ut_transform
+result = check_ut_transform(answer)
+assert result.passed, result
+result
