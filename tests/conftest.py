@@ -8,6 +8,7 @@ tests were all skipped (say `pytest -m gpu` on a CPU machine) exits with status 
 passing silently.
 """
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,9 @@ def execute_chapter(tmp_path_factory):
             import nbformat
 
             nb = jupytext.read(path)
+            # the chapters' tensors are small: one torch thread per kernel (on 2 cores shared with
+            # compiles, a second thread slowed a chapter 2x)
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
             start, error = time.perf_counter(), None
             try:
                 nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
