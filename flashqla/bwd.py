@@ -27,10 +27,9 @@ so that a training step can be captured in a CUDA graph: h and dh get the chunk 
 and chunk_bwd_dqkwg, whose CTAs for them have no tokens, never reads).
 """
 
-import functools
-
 import torch
 
+from flashqla.caches import cache_once
 from flashqla.fwd import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP
 from flashqla.hopper import compile_hopper
 from flashqla.nvtx import nvtx_range
@@ -683,7 +682,7 @@ def finish_kernel(H: int, HV: int):
 PASS_CONFIGS = {walk_kernel: {"tl.disable_shared_memory_reuse": True}}
 
 
-@functools.cache
+@cache_once  # threads: one compile per kernel (flashqla.caches)
 def _compiled(builder, *shape):
     return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
 
