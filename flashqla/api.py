@@ -490,7 +490,8 @@ def chunk_gated_delta_rule(
         g = -A_log.to(work).reshape(-1).exp() * F.softplus(g)
     if initial_state is not None:
         initial_state = initial_state.to(_state_dtype(q))
-        initial_state = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        if state_v_first:  # both layouts give the same bits: the kernels read a contiguous [K, V]
+            initial_state = initial_state.transpose(-1, -2).contiguous()
     o, final_state = _op(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
                          q.shape[3] ** -0.5 if scale is None else scale, bool(output_final_state))
     if not output_final_state:
