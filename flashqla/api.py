@@ -301,6 +301,8 @@ def _kernel_modules():
     """flashqla.fwd and flashqla.bwd, imported at the first kernel call (importing flashqla must not
     pull in TileLang), under a lock: TileLang's import fails when threads run it at once."""
     with _import_lock:
+        import tilelang  # noqa: F401 -- the builders import it too, from every thread
+
         from flashqla import bwd, fwd
     return fwd, bwd
 
