@@ -359,6 +359,14 @@ def _none_as_empty(x: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if x is None else x
 
 
+def _own(*outputs: Tensor) -> tuple[Tensor, ...]:
+    """A custom op's outputs may not alias its inputs: with no tokens the paths pass states through
+    (final state = initial state, dh0 = dht), so then every output is copied."""
+    if outputs[0].numel() == 0:
+        return tuple(x.clone() for x in outputs)
+    return outputs
+
+
 # ---- the custom op: forward, backward, their fake implementations, autograd ----
 
 @torch.library.custom_op("flashqla::chunk_gated_delta_rule", mutates_args=())
@@ -375,9 +383,7 @@ def _op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state:
             with nvtx_range("fwd.reference"):
                 o, ht = _reference(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
-    if ht is not None and ht is initial_state:  # an op's outputs never alias its inputs
-        ht = ht.clone()
-    return o.to(v.dtype), _none_as_empty(ht if output_final_state else None, q)
+    return _own(o.to(v.dtype), _none_as_empty(ht if output_final_state else None, q))
 
 
 @_op.register_fake
@@ -405,7 +411,7 @@ def _op_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initi
                 grads = _reference_backward(q, k, v, g, beta, do, dht, scale, initial_state,
                                             cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
     *grads, dh0 = (None if d is None else d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta, initial_state)))
-    return (*grads, _none_as_empty(dh0, q))
+    return _own(*grads, _none_as_empty(dh0, q))
 
 
 @_op_backward.register_fake

@@ -151,6 +151,19 @@ def test_nan_stays_in_its_sequence_and_chunk_onward():
     assert torch.isnan(s[0, 1]).all()
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_no_tokens_passes_the_state_through(varlen):
+    """T = 0: an empty output, the final state equal to (but not the same tensor as) the initial
+    state, and its gradient passed back to the initial state."""
+    B, cu = (1, torch.tensor([0, 0, 0])) if varlen else (2, None)
+    q, v, g = torch.randn(B, 0, 2, 8), torch.randn(B, 0, 4, 8), torch.zeros(B, 0, 4)
+    h0 = torch.randn(2, 4, 8, 8, requires_grad=True)
+    o, s = api(q, q, v, g, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert o.shape == (B, 0, 4, 8) and torch.equal(s, h0) and s.data_ptr() != h0.data_ptr()
+    (2 * s).sum().backward()
+    assert torch.equal(h0.grad, torch.full_like(h0, 2.0))
+
+
 # ---- every bad input gets a ValueError naming the argument and what was expected ----
 
 def _bad(**change):
