@@ -43,11 +43,13 @@ FLA's keywords, each done before the kernels by differentiable PyTorch ops, the 
 
 Any other keyword raises TypeError naming it; bad values raise ValueError naming the argument.
 
-torch.compile. The computation is one custom op, ``torch.ops.flashqla.chunk_gated_delta_rule``
-(``torch.library``: a fake implementation for tracing, autograd registered with a backward op of
-its own), so a model calling this function compiles with ``fullgraph=True``, with or without
-cu_seqlens. The checks that read cu_seqlens's values on the host, the choice of path and the NVTX
-ranges all run inside the op, never in a trace.
+torch.compile. Under ``torch.compile`` the computation is one custom op,
+``torch.ops.flashqla.chunk_gated_delta_rule`` (``torch.library``: a fake implementation for
+tracing, autograd registered with a backward op of its own), so a model calling this function
+compiles with ``fullgraph=True``, with or without cu_seqlens; the checks that read cu_seqlens's
+values on the host, the choice of path and the NVTX ranges all run inside the op, never in a
+trace. Eager calls run the same forward and backward through an ``autograd.Function``, which
+costs the host about 0.04 ms a call where the op's Python dispatch costs about 0.3 ms.
 
 CUDA graphs. Neither direction synchronizes with the host beyond the one read of cu_seqlens per
 tensor (none with cu_seqlens_cpu), kept for later calls, so a training step can be captured in a
@@ -72,8 +74,8 @@ every token of that chunk (earlier tokens of the chunk included, as the chunk is
 product), of every later token of the sequence, and the final state; other sequences and other
 head groups are unaffected. Under AutoCP a warm-up head's later segments start from a state
 computed over the last few chunks only, so a NaN or inf in k or v before those chunks does not
-reach them (one in g or beta makes the head run exactly, so it does). g = -inf (a hard reset) yields NaN: pass a large finite negative value
-instead. A NaN or inf in ``initial_state`` poisons that sequence and head from its first token.
+reach them (one in g or beta makes the head run exactly, so it does). g = -inf (a hard reset)
+yields NaN: pass a large finite negative value instead. A NaN or inf in ``initial_state`` poisons that sequence and head from its first token.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first=Fals
             _fail(name, f"[B, T, HV] = {(B, T, HV)}", f"shape {tuple(x.shape)}")
     if gate is not None:
         for name, x in zip(("A_log", "dt_bias"), gate):
-            if x is None and name == "dt_bias":
+            if x is None and name == "dt_bias":  # optional
                 continue
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() != HV:
                 _fail(name, f"a float tensor of HV = {HV} elements (one per value head) with "
