@@ -173,7 +173,8 @@ def test_two_streams_sharing_cu_seqlens(monkeypatch):
     monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
     lengths = (12000, 1, 3000)
     chunks = [-(-n // 64) for n in lengths]
-    assert fwd.segment_chunks(chunks, 8, autocp.num_sms("cuda"), fwd.STEP[fwd.block_v(chunks, 8, 128, 132)]) > 0
+    sms = autocp.num_sms("cuda")
+    assert fwd.segment_chunks(chunks, 8, sms, fwd.STEP[fwd.block_v(chunks, 8, 128, sms)]) > 0
     x = Problem(2, 8, lengths).inputs("cuda")
     want = _train(x)
     cu = x["cu_seqlens"].clone()
