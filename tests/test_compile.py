@@ -87,7 +87,7 @@ def test_compiled_equals_eager_on_the_kernels(varlen, monkeypatch):
 
     monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
     torch._dynamo.reset()
-    problem = Problem(2, 8, (300, 1, 700)) if varlen else Problem(2, 8, (500, 500), varlen=False)
+    problem = Problem(4, 16, (300, 1, 700)) if varlen else Problem(4, 16, (500, 500), varlen=False)
     x = problem.inputs("cuda")
     names = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -105,8 +105,8 @@ def test_compiled_equals_eager_on_the_kernels(varlen, monkeypatch):
         assert torch.equal(a, b), (i, rel_l2(a, b))
 
     torch._dynamo.reset()
-    xs, cu, state = _inputs(varlen, torch.bfloat16, "cuda", hidden=256, HV=8, V=128, K=128)
-    layers = [GatedDeltaNetLayer(256, 2, 8, 128, 128, torch.bfloat16, "cuda") for _ in range(2)]
+    xs, cu, state = _inputs(varlen, torch.bfloat16, "cuda", hidden=256, HV=16, V=128, K=128)
+    layers = [GatedDeltaNetLayer(256, 4, 16, 128, 128, torch.bfloat16, "cuda") for _ in range(2)]
     want = _train_step(layers[0], xs, cu, state)
     got = _train_step(torch.compile(layers[1], fullgraph=True), xs, cu, state)
     errors = [rel_l2(a, b) for a, b in zip(got, want)]

@@ -167,15 +167,15 @@ def test_two_streams_sharing_cu_seqlens(monkeypatch):
     """Two streams train on one cu_seqlens tensor (fresh, so their caches start empty) while the
     first stream is held back by a 50 ms spin: a chunk table cached by that stream and read by the
     other before it is written would give garbage gradients. Both give eager's bits; AutoCP
-    splits these lengths (L = 24 on 132 SMs), so its host plan is shared by the streams too."""
+    splits these lengths (L = 38 on 132 SMs), so its host plan is shared by the streams too."""
     from flashqla import fwd
 
     monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
     lengths = (12000, 1, 3000)
     chunks = [-(-n // 64) for n in lengths]
     sms = autocp.num_sms("cuda")
-    assert fwd.segment_chunks(chunks, 8, sms, fwd.STEP[fwd.block_v(chunks, 8, 128, sms)]) > 0
-    x = Problem(2, 8, lengths).inputs("cuda")
+    assert fwd.segment_chunks(chunks, 16, sms, fwd.STEP[fwd.block_v(chunks, 16, 128, sms)]) > 0
+    x = Problem(4, 16, lengths).inputs("cuda")
     want = _train(x)
     cu = x["cu_seqlens"].clone()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
