@@ -75,7 +75,8 @@ product), of every later token of the sequence, and the final state; other seque
 head groups are unaffected. Under AutoCP a warm-up head's later segments start from a state
 computed over the last few chunks only, so a NaN or inf in k or v before those chunks does not
 reach them (one in g or beta makes the head run exactly, so it does). g = -inf (a hard reset)
-yields NaN: pass a large finite negative value instead. A NaN or inf in ``initial_state`` poisons that sequence and head from its first token.
+yields NaN: pass a large finite negative value instead. A NaN or inf in ``initial_state`` poisons
+that sequence and head from its first token.
 """
 
 from __future__ import annotations
