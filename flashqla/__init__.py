@@ -1,7 +1,8 @@
 """flashqla: Gated DeltaNet kernels for Hopper, re-derived step by step in Python and TileLang.
 
-``flashqla.chunk_gated_delta_rule`` is a drop-in for FLA's function of the same name. Importing
-this package never touches a GPU and never imports TileLang.
+``flashqla.chunk_gated_delta_rule`` is a drop-in for FLA's function of the same name (fla-core
+0.6.0's signature and keywords); ``flashqla.integrations.fla.enable()`` makes FLA's own function
+run it. Importing this package never touches a GPU and never imports TileLang.
 """
 
 from flashqla.api import chunk_gated_delta_rule

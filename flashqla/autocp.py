@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from flashqla.caches import stream_key
 from flashqla.varlen import capturing, seq_bounds
 
 THRESHOLD = -10.0          # cumulative log decay at which a warm-up window is long enough
@@ -160,16 +162,19 @@ class Plan:
                                 # where sequence n has no segment j (slot_of_segment's inverse)
 
 
-_last_plan: dict = {}
+PLAN_STREAMS = 8  # streams whose last device-built plan is kept
+_last_plan: dict = {}  # stream_key -> (key, plan, weakref to cu_seqlens or None)
+_last_plan_lock = threading.Lock()
 
 
 def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: int, num_sms: int,
          ctas_per_head: int, device: torch.device, force: bool | int | None = None,
          unsplit_step: float = 1.0) -> Plan | None:
     """The segment table for inputs [batch, seqlen] (or varlen ``cu_seqlens`` with batch 1), or None
-    when ``segment_chunks`` decides not to split (``unsplit_step``: see there). Built on the device; the last plan is returned
-    again for the same, unmodified ``cu_seqlens`` tensor, and built anew inside CUDA-graph capture
-    (as ``flashqla.varlen.chunk_table``)."""
+    when ``segment_chunks`` decides not to split (``unsplit_step``: see there). Built on the device;
+    each stream's last plan is returned again to calls on that stream for the same, unmodified
+    ``cu_seqlens`` tensor, and built anew inside CUDA-graph capture (as
+    ``flashqla.varlen.chunk_table``)."""
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     num_tokens = batch * seqlen
     longest = seqlen if cu_seqlens is None else num_tokens
@@ -181,39 +186,58 @@ def plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, num_heads: in
         return _build_plan(cu_seqlens, batch, seqlen, L, device)  # the graph owns what it reads
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, L, str(device))
-    if _last_plan.get("key") == key and (cu_seqlens is None or _last_plan["cu"]() is cu_seqlens):
-        return _last_plan["value"]
+    stream = stream_key(device)
+    with _last_plan_lock:
+        hit = _last_plan.get(stream)
+    if hit is not None and hit[0] == key and (cu_seqlens is None or hit[2]() is cu_seqlens):
+        return hit[1]
     value = _build_plan(cu_seqlens, batch, seqlen, L, device)
-    _last_plan.update(key=key, value=value, cu=None if cu_seqlens is None else weakref.ref(cu_seqlens))
+    with _last_plan_lock:
+        _last_plan.pop(stream, None)
+        _last_plan[stream] = (key, value, None if cu_seqlens is None else weakref.ref(cu_seqlens))
+        while len(_last_plan) > PLAN_STREAMS:
+            del _last_plan[next(iter(_last_plan))]
     return value
 
 
 HOST_PLAN_CACHE = 8    # plans of host-known lengths kept for eager calls (graph-held ones: always)
-_host_plans: dict = {}
+_host_plans: dict = {}  # (bounds, L, device) -> (plan, stream_keys it was handed to)
 _graph_plans: list = []
+_host_plans_lock = threading.Lock()
 
 
 def host_plan(bounds: list[int], L: int, device: torch.device) -> Plan | None:
     """The plan of sequences whose ``bounds`` (the values of cu_seqlens) the host knows, with L
-    chunks a segment: built on the host by ``_build_plan`` and copied to ``device`` once, then
-    kept for the same (bounds, L). Inside CUDA-graph capture a copy is not allowed: the kept plan
-    is handed to the graph, and from then on kept for the process's life (the graph reads it at
-    every replay), or None when there is none (the caller then builds one on the device, ``plan``)."""
+    chunks a segment: built on the host by ``_build_plan`` and copied to ``device`` once (a
+    blocking copy: complete before any stream reads it), then kept for the same (bounds, L), and
+    marked in use by each stream it is handed to (``flashqla.caches``). Inside CUDA-graph capture
+    a copy is not allowed: the kept plan is handed to the graph, and from then on kept for the
+    process's life (the graph reads it at every replay), or None when there is none (the caller
+    then builds one on the device, ``plan``)."""
     key = (tuple(bounds), L, str(torch.device(device)))
-    value = _host_plans.get(key)
-    if capturing(device):
-        if value is not None and all(value is not v for v in _graph_plans):
-            _graph_plans.append(value)
-        return value
-    if value is None:
-        cu = torch.tensor(bounds, dtype=torch.int64)
-        built = _build_plan(cu, 1, bounds[-1], L, "cpu",
-                            longest=max((e - b for b, e in zip(bounds, bounds[1:])), default=0))
-        built = dataclasses.replace(built, slot_chunk=slot_chunks(cu, 1, bounds[-1], L, built.max_segments, "cpu"))
-        value = Plan(**{f: (x.to(device) if torch.is_tensor(x) else x) for f, x in vars(built).items()})
-        _host_plans[key] = value
-        while len(_host_plans) > HOST_PLAN_CACHE:
-            del _host_plans[next(iter(_host_plans))]  # the oldest (a graph's stays in _graph_plans)
+    with _host_plans_lock:
+        hit = _host_plans.get(key)
+        if capturing(device):
+            if hit is not None and all(hit[0] is not v for v in _graph_plans):
+                _graph_plans.append(hit[0])
+            return None if hit is None else hit[0]
+        if hit is None:
+            cu = torch.tensor(bounds, dtype=torch.int64)
+            built = _build_plan(cu, 1, bounds[-1], L, "cpu",
+                                longest=max((e - b for b, e in zip(bounds, bounds[1:])), default=0))
+            built = dataclasses.replace(built, slot_chunk=slot_chunks(cu, 1, bounds[-1], L, built.max_segments, "cpu"))
+            value = Plan(**{f: (x.to(device) if torch.is_tensor(x) else x) for f, x in vars(built).items()})
+            hit = _host_plans[key] = (value, {stream_key(device)})
+            while len(_host_plans) > HOST_PLAN_CACHE:
+                del _host_plans[next(iter(_host_plans))]  # the oldest (a graph's stays in _graph_plans)
+        value, streams = hit
+        stream = stream_key(device)
+        if stream not in streams:  # another stream reads it: its memory waits for that stream's work
+            streams.add(stream)
+            current = torch.cuda.current_stream(device)
+            for x in vars(value).values():
+                if torch.is_tensor(x):
+                    x.record_stream(current)
     return value
 
 

@@ -40,10 +40,9 @@ real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for them have 
 reads).
 """
 
-import functools
-
 import torch
 
+from flashqla.caches import cache_once
 from flashqla.fwd import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP
 from flashqla.hopper import compile_hopper
 from flashqla.nvtx import nvtx_range
@@ -696,7 +695,7 @@ def finish_kernel(H: int, HV: int):
 PASS_CONFIGS = {walk_kernel: {"tl.disable_shared_memory_reuse": True}}
 
 
-@functools.cache
+@cache_once  # threads: one compile per kernel (flashqla.caches)
 def _compiled(builder, *shape):
     return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
 

@@ -66,11 +66,10 @@ before it, the width assumes equal lengths, the rule one sequence of all the tok
 built on the device.
 """
 
-import functools
-
 import torch
 
 from flashqla import autocp
+from flashqla.caches import cache_once
 from flashqla.hopper import compile_hopper, dependent_launch, min_ctas_per_sm
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds, num_chunk_rows, seq_bounds
@@ -1763,7 +1762,7 @@ PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fas
 PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": True}
 
 
-@functools.cache
+@cache_once  # threads: one compile per kernel (flashqla.caches)
 def _compiled(builder, *shape):
     """``builder(*shape)`` as a programmatic dependent (gdn_fwd.s27): it waits on the kernel before
     it inside, and lets the one after it be scheduled at once; the solve at SOLVE_CTAS_PER_SM."""

@@ -17,9 +17,11 @@ one loads nothing and stores nothing. Without cu_seqlens NT = B ceil(T / C) exac
 On a GPU one small TileLang kernel builds the table (``TABLE_THREADS`` threads in one CTA: a scan of
 the sequences' chunk counts, then a binary search per row); on the CPU the same table comes from
 PyTorch ops (``_build_chunk_table_torch``, also the kernel's test oracle), about 20 of them, which
-on a GPU would be 20 launches. The last table is kept and returned again while the same
-``cu_seqlens`` tensor, unmodified, comes back (every GDN layer of a model step passes the same
-one), as FLA does with its chunk indices. A table that came from the cache launches nothing.
+on a GPU would be 20 launches. The last table of each CUDA stream is kept and returned again
+to calls on that stream while the same ``cu_seqlens`` tensor, unmodified, comes back (every GDN
+layer of a model step passes the same one), as FLA does with its chunk indices. A table that came
+from the cache launches nothing; one stream never reads a table another stream's kernel writes
+(``flashqla.caches``).
 Inside CUDA-graph capture the table is always built anew, in the graph: a graph must own the
 memory it reads, a cached table is freed when a later call replaces it, and a graph replayed
 after ``cu_seqlens`` was edited in place must read the new lengths. That is one launch in the
@@ -28,10 +30,12 @@ graph, where the PyTorch ops were about 20 (each a few microseconds of a replay)
 
 from __future__ import annotations
 
-import functools
+import threading
 import weakref
 
 import torch
+
+from flashqla.caches import cache_once, stream_key
 
 TABLE_THREADS = 1024  # the table kernel's one CTA
 
@@ -46,25 +50,35 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
 
 HOST_BOUNDS_CACHE = 64  # cu_seqlens tensors whose values are kept on the host (FLA keeps 4 tables)
 _host_bounds: dict = {}
+_host_bounds_lock = threading.Lock()
 
 
 def host_bounds(cu_seqlens: torch.Tensor) -> list[int] | None:
     """``cu_seqlens`` as host integers, or None inside CUDA-graph capture for a tensor not read
     before. Reading the values is a device-to-host copy, which synchronizes and which a capture
-    forbids, so each (tensor, version) is read once and kept: the eager call before a capture (a
-    graph replays what its eager runs checked) leaves the values for the capture. A tensor edited
-    in place has a new version and is read again."""
+    forbids, so each (tensor, version) is read once and kept (``remember_bounds`` keeps values the
+    caller already has on the host): the eager call before a capture (a graph replays what its
+    eager runs checked) leaves the values for the capture. A tensor edited in place has a new
+    version and is read again."""
     key = (id(cu_seqlens), cu_seqlens._version)
-    hit = _host_bounds.get(key)
+    with _host_bounds_lock:
+        hit = _host_bounds.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
     if capturing(cu_seqlens.device):
         return None
     value = cu_seqlens.tolist()
-    _host_bounds[key] = (weakref.ref(cu_seqlens), value)
-    while len(_host_bounds) > HOST_BOUNDS_CACHE:
-        del _host_bounds[next(iter(_host_bounds))]  # the oldest
+    remember_bounds(cu_seqlens, value)
     return value
+
+
+def remember_bounds(cu_seqlens: torch.Tensor, value: list[int]) -> None:
+    """Keep ``value``, the host integers of ``cu_seqlens`` (FLA's ``cu_seqlens_cpu``), for
+    ``host_bounds``, so that it never reads the device tensor."""
+    with _host_bounds_lock:
+        _host_bounds[(id(cu_seqlens), cu_seqlens._version)] = (weakref.ref(cu_seqlens), value)
+        while len(_host_bounds) > HOST_BOUNDS_CACHE:
+            del _host_bounds[next(iter(_host_bounds))]  # the oldest
 
 
 def num_chunk_rows(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_size: int) -> int:
@@ -80,7 +94,9 @@ def capturing(device) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-_last_table: dict = {}
+TABLE_STREAMS = 8  # streams whose last chunk table is kept
+_last_table: dict = {}  # stream_key -> (key, table, weakref to cu_seqlens or None)
+_last_table_lock = threading.Lock()
 
 
 def chunk_table(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_size: int,
@@ -90,11 +106,17 @@ def chunk_table(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, chunk_
         return _build_chunk_table(cu_seqlens, batch, seqlen, chunk_size, device)
     key = (None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version),
            batch, seqlen, chunk_size, str(device))
-    if _last_table.get("key") == key and (cu_seqlens is None or _last_table["cu"]() is cu_seqlens):
-        return _last_table["value"]
+    stream = stream_key(device)
+    with _last_table_lock:
+        hit = _last_table.get(stream)
+    if hit is not None and hit[0] == key and (cu_seqlens is None or hit[2]() is cu_seqlens):
+        return hit[1]
     value = _build_chunk_table(cu_seqlens, batch, seqlen, chunk_size, device)
-    _last_table.update(key=key, value=value,
-                       cu=None if cu_seqlens is None else weakref.ref(cu_seqlens))
+    with _last_table_lock:
+        _last_table.pop(stream, None)
+        _last_table[stream] = (key, value, None if cu_seqlens is None else weakref.ref(cu_seqlens))
+        while len(_last_table) > TABLE_STREAMS:
+            del _last_table[next(iter(_last_table))]  # the stream that built one longest ago
     return value
 
 
@@ -181,7 +203,7 @@ def _table_kernel(chunk_size: int):
     return chunk_table_build
 
 
-@functools.cache
+@cache_once
 def _table_compiled(chunk_size: int):
     from flashqla.hopper import compile_hopper
 
