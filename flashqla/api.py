@@ -524,7 +524,13 @@ def chunk_gated_delta_rule(
         initial_state = initial_state.to(_state_dtype(q))
         if state_v_first:  # both layouts give the same bits: the kernels read a contiguous [K, V]
             initial_state = initial_state.transpose(-1, -2).contiguous()
-    run = _op if torch.compiler.is_compiling() else _Function.apply
+    if torch.compiler.is_compiling():
+        run = _op
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                         for x in (q, k, v, g, beta, initial_state)):
+        run = _Function.apply
+    else:  # nothing to differentiate (inference): the forward alone, without autograd's bookkeeping
+        run = _forward
     o, final_state = run(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
                          q.shape[3] ** -0.5 if scale is None else scale, bool(output_final_state))
     if not output_final_state:

@@ -66,6 +66,9 @@ before it, the width assumes equal lengths, the rule one sequence of all the tok
 built on the device.
 """
 
+import functools
+import threading
+
 import torch
 
 from flashqla import autocp
@@ -1017,6 +1020,12 @@ def block_v(seq_chunks: list[int], HV: int, V: int, num_sms: int) -> int:
     return min(STEP, key=steps)
 
 
+@functools.lru_cache(maxsize=256)
+def equal_lengths_width(num_seqs: int, HV: int, V: int, num_sms: int) -> int:
+    """``block_v`` of ``num_seqs`` sequences of equal lengths (AutoCP's segment rows), kept."""
+    return block_v([1] * num_seqs, HV, V, num_sms)
+
+
 def launch_width(cu_seqlens, B: int, T: int, HV: int, V: int, num_sms: int) -> int:
     """``block_v`` of the sequences of inputs [B, T] (or varlen ``cu_seqlens``, whose values
     ``host_bounds`` reads once per tensor); equal lengths assumed where they cannot be read (inside
@@ -1072,10 +1081,16 @@ def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp, un
     sequence of all the tokens stands for them). The plan comes from the host (``autocp.host_plan``),
     or is built on the device inside a capture that has no plan kept for these lengths."""
     bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
-    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
                   else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
     L = segment_chunks(seq_chunks, HV, num_sms, unsplit_step, cp)
+    return segment_plan(cu_seqlens, B, T, HV, num_sms, device, L, bounds)
+
+
+def segment_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, L: int, bounds):
+    """``split_plan``'s plan at segment length L (0: None), from the host's ``bounds`` (None inside a
+    capture with no read before)."""
+    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if not L or num_seqs == 0:
         return None
     p = None if bounds is None else autocp.host_plan(bounds, L, device)
@@ -1762,6 +1777,37 @@ PASS_CONFIGS = {builder: {"tl.disable_shared_memory_reuse": True, "tl.enable_fas
 PASS_CONFIGS[chunk_local_cumsum_kernel] = {"tl.disable_safe_memory_legalize": True}
 
 
+DECISIONS_CACHE = 256  # launches (lengths, heads, SMs, cp) whose host decisions are kept
+_decisions: dict = {}
+_decisions_lock = threading.Lock()
+
+
+def launch_decisions(cu_seqlens, B: int, T: int, H: int, HV: int, V: int, num_sms: int, cp):
+    """(the host's bounds or None, (R, BV, wy, L)): the solve's value heads a CTA (``solve_heads``),
+    the fused kernel's width (``launch_width``), whether a launch left unsplit has the solve store
+    WY = Gamma * Ab (gdn_fwd.s37: at BV WY_BLOCK_V after a solve of three or four heads a CTA; the
+    fused kernel is then fused_state_in_registers_kernel, and the rule weighs that launch at
+    WY_STEP, gdn_fwd.s44) and AutoCP's segment length L (0: no split). Host integers from the
+    lengths, kept per (lengths, heads, SMs, cp): an eager call repeats none of the rules."""
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    key = (B, T, num_seqs, H, HV, V, num_sms, cp, None if bounds is None else tuple(bounds))
+    with _decisions_lock:
+        hit = _decisions.get(key)
+    if hit is None:
+        R = solve_heads(H, HV, num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), num_sms)
+        BV = launch_width(cu_seqlens, B, T, HV, V, num_sms)
+        wy = BV == WY_BLOCK_V and R > SOLVE_TF32_MAX_HEADS
+        seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                      else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+        hit = (R, BV, wy, segment_chunks(seq_chunks, HV, num_sms, WY_STEP if wy else STEP[BV], cp))
+        with _decisions_lock:
+            _decisions[key] = hit
+            while len(_decisions) > DECISIONS_CACHE:
+                del _decisions[next(iter(_decisions))]  # the oldest
+    return bounds, hit
+
+
 @cache_once  # threads: one compile per kernel (flashqla.caches)
 def _compiled(builder, *shape):
     """``builder(*shape)`` as a programmatic dependent (gdn_fwd.s27): it waits on the kernel before
@@ -1799,13 +1845,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
     sms = autocp.num_sms(device)
-    R = solve_heads(H, HV, chunks.shape[0], sms)
-    BV = launch_width(cu_seqlens, B, T, HV, V, sms)
-    # gdn_fwd.s37: at BV 64, unsplit, after a solve of three or four heads a CTA, the solve stores
-    # WY = Gamma * Ab, and the fused kernel is gdn_fwd.s40's (the state in the chain's registers);
-    # AutoCP's rule weighs that launch at its own step (gdn_fwd.s44)
-    wy = BV == WY_BLOCK_V and R > SOLVE_TF32_MAX_HEADS
-    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp, WY_STEP if wy else STEP[BV])
+    bounds, (R, BV, wy, L) = launch_decisions(cu_seqlens, B, T, H, HV, V, sms, cp)
+    p = segment_plan(cu_seqlens, B, T, HV, sms, device, L, bounds)
     store_wy = wy and p is None
     if R <= SOLVE_TF32_MAX_HEADS:
         with nvtx_range("fwd.gate_free_solve_with_cumsum"):
@@ -1844,7 +1885,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         h0 = h_seg
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
-        BV = block_v([1] * (seqs.shape[0] - 1), HV, V, sms)  # segment rows: equal lengths
+        BV = equal_lengths_width(seqs.shape[0] - 1, HV, V, sms)  # segment rows: equal lengths
     ht = torch.empty(h0.shape, **fp32)
     builder = (fused_state_in_registers_kernel if store_wy else
                fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel)

@@ -459,14 +459,14 @@ def recorded_launches(sms=132):
     """flashqla's forward with each kernel launch appended to a list instead of run, and each
     AutoCP plan kept; ``sms`` an H100's SMs, on any machine."""
     launched, plans = [], []
-    saved = fwd._compiled, fwd.split_plan, autocp.num_sms
+    saved = fwd._compiled, fwd.segment_plan, autocp.num_sms
     fwd._compiled = lambda builder, *shape: lambda *args: launched.append((builder.__name__, shape))
-    fwd.split_plan = lambda *args, **kwargs: plans.append(saved[1](*args, **kwargs)) or plans[-1]
+    fwd.segment_plan = lambda *args, **kwargs: plans.append(saved[1](*args, **kwargs)) or plans[-1]
     autocp.num_sms = lambda device: sms
     try:
         yield launched, plans
     finally:
-        fwd._compiled, fwd.split_plan, autocp.num_sms = saved
+        fwd._compiled, fwd.segment_plan, autocp.num_sms = saved
 
 
 def launches(p: Problem):

@@ -79,10 +79,10 @@ def test_store_wy_is_the_stage_rule():
                      v=torch.zeros(()).expand(1, sum(p.lengths), p.HV, 128),
                      cu_seqlens=torch.tensor([0, *itertools.accumulate(p.lengths)], dtype=torch.int32))
             B, T, H = x["q"].shape[:3]
-            chunks = sum(-(-n // 64) for n in p.lengths)
-            BV = fwd.launch_width(x["cu_seqlens"], B, T, p.HV, 128, 132)
-            wy = BV == fwd.WY_BLOCK_V and fwd.solve_heads(H, p.HV, chunks, 132) > fwd.SOLVE_TF32_MAX_HEADS
-            plan = fwd.split_plan(x["cu_seqlens"], B, T, p.HV, 132, "cpu", None, fwd.WY_STEP if wy else fwd.STEP[BV])
+            # what fwd.forward decides (kept per lengths: asked twice, the second answer is the kept one)
+            for _ in range(2):
+                bounds, (R, BV, wy, L) = fwd.launch_decisions(x["cu_seqlens"], B, T, H, p.HV, 128, 132, None)
+            plan = fwd.segment_plan(x["cu_seqlens"], B, T, p.HV, 132, "cpu", L, bounds)
             mine = wy and plan is None
             BV44, plan44, stored44 = s44.launch(x["q"], x["v"], x["cu_seqlens"], None)
             assert (BV, mine) == (BV44, stored44), p.label
