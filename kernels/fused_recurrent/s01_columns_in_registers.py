@@ -27,7 +27,10 @@ columns of 16 rows (64 fp32 registers): lane = 4 r + c owns columns 4 c .. 4 c +
 vectors that the warp coalesces: K-first [K, V], a lane's 4 columns of one row are one float4 and
 a warp instruction covers 8 rows x 64 bytes; V-first [V, K], a lane's 4 rows of one column are one
 float4 and the 8 lanes of a column cover its 128 contiguous bytes. The 16 float4 loads of a lane
-are all issued before the first is used, so a warp has its 8 KB in flight at once.
+are issued back to back before the first is used (LDG.E.128 in the SASS), so a warp has its 8 KB
+in flight at once; ptxas gives a lane 159 registers and no spills, so 12 CTAs fit an SM: 96 KB of
+state in flight an SM, where about 25 KB (the copy bandwidth times a DRAM latency of about 1 us,
+over 132 SMs) keep HBM busy.
 
 Per token, in the lane's registers: h^T k and h^T q for its 4 columns and k . q (plus ||k||^2 and
 ||q||^2 with the l2norm) over its 16 rows, then summed over the 8 lanes of a column group by 3 xor
