@@ -17,9 +17,9 @@ each (sequence, value head) state is split over 8 one-warp CTAs of 16 columns, h
 for the call's tokens, read and written once as coalesced 16-byte vectors. FLA's in-kernel options
 (the q/k l2norm, the raw gate, the beta sigmoid, the V-first state layout) are applied inside it.
 g, beta, A_log, dt_bias and the states may be float32, bfloat16 or float16; the final state is
-float32 (in place: the pool's dtype). Neither path synchronizes with the host inside CUDA-graph
-capture: ``cu_seqlens`` (and, in place, ``ssm_state_indices``) are checked on the host once per
-tensor version outside capture.
+float32 (in place: the pool's dtype). The kernel path can be captured in a CUDA graph:
+``cu_seqlens`` (and, in place, ``ssm_state_indices``) are checked on the host once per tensor
+version, outside capture.
 
 Everything else (CPU tensors, other GPUs, other dtypes or head dims, and calls that need gradients:
 the kernel has no backward) runs ``flashqla.reference.fused_recurrent_gated_delta_rule_ref`` in
@@ -263,11 +263,6 @@ def _compiled(H: int, HV: int, variant: Variant):
     return compile_hopper(fused_recurrent_kernel(H, HV, variant))
 
 
-def kernel_source(H: int = 16, HV: int = 32, variant: Variant = Variant()) -> str:
-    """The CUDA C++ of the library's decode kernel for sm_90a (no GPU needed)."""
-    return _compiled(H, HV, variant).get_kernel_source()
-
-
 _TL_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
              torch.int32: "int32", torch.int64: "int64"}
 _no_rows: dict = {}
@@ -433,8 +428,8 @@ def check_inputs(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, use_gate_i
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4, _FLOATS)
         rows = initial_state.shape[0] if ssm_state_indices is not None else N
-        if tuple(initial_state.shape[1:]) != state or initial_state.shape[0] != rows or rows == 0:
-            want = "S >= 1 slots" if ssm_state_indices is not None else f"N = {N} sequences"
+        if tuple(initial_state.shape[1:]) != state or initial_state.shape[0] != rows:
+            want = "S slots" if ssm_state_indices is not None else f"N = {N} sequences"
             _fail("initial_state", f"{layout} with {want}: {(rows, *state)}", f"shape {tuple(initial_state.shape)}")
     if ssm_state_indices is not None:
         if initial_state is None:
