@@ -390,6 +390,7 @@ def _check_decode(fn, x):
     may write theirs in place: the bf16 reference writes into a bf16 pool, which it does not copy)."""
     mine = None if x["initial_state"] is None else x["initial_state"].clone()
     refs = dict(x, initial_state=None if mine is None else mine.clone())
+    recurrent._warned.clear()  # a fallback warns once a reason: clear, so that this call would warn
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*running the PyTorch reference")  # no fallback
         return check_op("fused_recurrent", lambda **kw: fn(**dict(kw, initial_state=mine)), refs)
