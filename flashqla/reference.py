@@ -27,6 +27,10 @@ the inputs and outputs that a kernel of that step has (FLA's names and layouts):
     chunk_h              k, w, u, g_cum, h0         -> h [B', NT, HV, K, V], v_new [B, T, HV, V], h_final
     chunk_o              q, k, v_new, h, g_cum      -> o         [B, T, HV, V]
 
+Decode (``fused_recurrent_gated_delta_rule_ref``) is the naive recurrence with FLA's in-kernel
+options (l2norm, gate and beta activations, the V-first state layout) and a pool of states read by
+slot and updated in place.
+
 Rows of ``A`` and ``Ai`` are stored per token: token t holds row (t mod C) of its chunk's C x C
 matrix. ``h`` holds the state at the start of every chunk: B' = B and NT = ceil(T / C) for
 equal-length batches; B' = 1 and NT = sum over sequences of ceil(T_n / C) for varlen.
@@ -178,6 +182,67 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     o = torch.stack(outs, 1) if outs else vs.new_zeros(vs.shape)
     o = tok.unpad(o[:, :, None])
     return o, (h if output_final_state else None)
+
+
+def fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
+                                         output_final_state=False, cu_seqlens=None,
+                                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                         A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                                         allow_neg_eigval=False, state_v_first=False,
+                                         inplace_final_state=False, ssm_state_indices=None):
+    """Decode semantics (FLA's ``fused_recurrent_gated_delta_rule``, and a state pool in place) on
+    top of the naive recurrence, in q's dtype. Returns (o [B, T, HV, V], final state or None).
+
+    What the arguments add to ``naive_recurrent_gated_delta_rule``:
+
+        use_qk_l2norm_in_kernel      q, k <- l2norm(q), l2norm(k) (eps 1e-6) first
+        g None                       no decay (g = 0)
+        use_gate_in_kernel           g is raw: g <- -exp(A_log) softplus(g + dt_bias) (A_log, dt_bias
+                                     [HV]; dt_bias None is 0; softplus is x above 20)
+        beta None                    beta = 1
+        use_beta_sigmoid_in_kernel   beta is raw: beta <- sigmoid(beta), times 2 with allow_neg_eigval
+        state_v_first                states are stored [.., V, K] (h transposed) instead of [.., K, V]
+        ssm_state_indices [N]        initial_state is a pool of S states; sequence n starts from slot
+                                     ssm_state_indices[n]. A slot outside [0, S) marks a padding entry:
+                                     it starts from zeros (and, in place, writes nothing)
+        inplace_final_state          each final state is written into initial_state (into its slot),
+                                     cast to initial_state's dtype, and initial_state is returned
+
+    Without inplace_final_state the final state is a new [N, HV, K, V] tensor (or [N, HV, V, K]),
+    returned when output_final_state. In place, the slots of the present entries must be distinct.
+    """
+    dt = q.dtype
+    q, k, v = (x.to(dt) for x in (q, k, v))
+    B, T, HV = v.shape[:3]
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    g = q.new_zeros(B, T, HV) if g is None else g.to(dt)
+    if use_gate_in_kernel:
+        bias = 0.0 if dt_bias is None else dt_bias.to(dt)
+        g = -torch.exp(A_log.to(dt)) * torch.nn.functional.softplus(g + bias)
+    beta = q.new_ones(B, T, HV) if beta is None else beta.to(dt)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+
+    def k_first(s):  # a stored state as [.., K, V]
+        return s.transpose(-1, -2) if state_v_first else s
+
+    h0, present = None, None
+    if initial_state is not None:
+        pool = k_first(initial_state.to(dt))
+        if ssm_state_indices is None:
+            h0 = pool
+        else:
+            idx = ssm_state_indices.long()
+            present = (idx >= 0) & (idx < pool.shape[0])
+            h0 = torch.where(present[:, None, None, None], pool[idx.clamp(0, pool.shape[0] - 1)], 0.0)
+    o, ht = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, h0, True, cu_seqlens)
+    if inplace_final_state:
+        rows = torch.arange(ht.shape[0], device=ht.device) if present is None else present.nonzero()[:, 0]
+        slots = rows if ssm_state_indices is None else ssm_state_indices.long()[rows]
+        initial_state[slots] = k_first(ht[rows]).to(initial_state.dtype)
+        return o, initial_state
+    return o, (k_first(ht) if output_final_state else None)
 
 
 def chunk_local_cumsum(g, cu_seqlens=None, chunk_size=CHUNK_SIZE):

@@ -51,6 +51,8 @@ OPS = {
     "chunk_bwd_dqkwg": (reference.chunk_bwd_dqkwg, ("dq", "dk", "dw", "dg")),
     "wy_bwd": (reference.wy_bwd, ("dk", "dv", "dbeta", "dg")),
     "chunk_local_reverse_cumsum": (reference.chunk_local_reverse_cumsum, ("dg",)),
+    # decode: a few tokens a sequence, the state kept on chip
+    "fused_recurrent": (reference.fused_recurrent_gated_delta_rule_ref, ("o", "final_state")),
 }
 
 # The course path: the stages the chapters teach, in the order a learner meets them. Every other
