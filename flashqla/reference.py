@@ -87,11 +87,11 @@ class Chunking:
         self.batch, self.seqlen, self.chunk_size = batch, seqlen, chunk_size
         self.lengths = [bounds[n + 1] - bounds[n] for n in range(len(bounds) - 1)]
         self.num_chunks = max([math.ceil(n / chunk_size) for n in self.lengths] + [0])
-        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths))
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths, dtype=torch.long))
         starts = torch.tensor(bounds[:-1], dtype=torch.long)
         self.seq = seq.to(device)
         self.pos = (torch.arange(bounds[-1]) - starts[seq]).to(device)
-        real = torch.tensor(self.lengths)[:, None] - torch.arange(self.num_chunks) * chunk_size
+        real = torch.tensor(self.lengths, dtype=torch.long)[:, None] - torch.arange(self.num_chunks) * chunk_size
         self.chunk_valid = (real > 0).to(device)                         # [N, NT]
         self.chunk_last = (real.clamp(1, chunk_size) - 1).to(device)     # [N, NT] last real token
 
