@@ -252,6 +252,53 @@ def test_checks_fail_on_broken_windows(name):
     assert wrong > 0 or chain > 1e-3, (wrong, chain)
 
 
+def check_walk_over_segment_rows(problem, L, first_rows=lambda p: p.row_of_slot[:p.num_seqs], shift=0):
+    """s03's premise, in float64: the walks run over the plan's segment rows as sequences (the
+    reference's chunk_h and chunk_bwd_dhu with cu_seqlens = ``Plan.bounds``, every row from its
+    exact initial state and final-state gradient) give the whole sequences' h, v_new, dh and dV~
+    at the same chunk rows (what chunk_bwd_dqkwg and wy_bwd read), and each sequence's dh0 at
+    its first segment row, ``first_rows(p)`` (s03's ``p.row_of_slot[:N]``). ``shift``: rows'
+    dht taken that many rows later (a broken chain). Returns the worst relative L2 error."""
+    x, a = bwd_inputs(problem)
+    B, T = x["q"].shape[:2]
+    cu = x["cu_seqlens"]
+    p = autocp.plan(cu, B, T, problem.HV, 132, 2, CPU, force=L)
+    N, S = len(problem.lengths), p.bounds.shape[0] - 1
+    h0 = x["initial_state"]
+    hs = ref.segment_states(x["k"], x["v"], x["g"], x["beta"], L, h0, cu)                 # [N, J, ...]
+    dhts = ref.segment_state_grads(a["q"], a["k"], a["g_cum"], a["Ab"], a["gated"], a["do"], L, a["dht"],
+                                   cu_seqlens=cu)[0]
+    slot = p.slot_of_segment.clamp(max=N * hs.shape[1] - 1)          # rows past the real ones: any
+    h_rows = hs[slot % N, slot // N]
+    dht_rows = dhts[slot % N, slot // N].roll(-shift, 0)
+    w, u = ref.chunk_fwd_intra(x["k"], x["v"], a["g_cum"], x["beta"], cu)
+    rows = p.bounds.long()
+    h, v_new, _ = ref.chunk_h(x["k"], w, u, a["g_cum"], h0, False, cu)
+    h_r, v_new_r, _ = ref.chunk_h(x["k"], w, u, a["g_cum"], h_rows, False, rows)
+    dv_local = ref.chunk_bwd_dv_local(x["q"], x["k"], a["do"], a["g_cum"], cu_seqlens=cu)
+    dh, dh0, dv2 = ref.chunk_bwd_dhu(x["q"], x["k"], w, a["g_cum"], h0, a["dht"], a["do"], dv_local, cu_seqlens=cu)
+    dh_r, dh0_r, dv2_r = ref.chunk_bwd_dhu(x["q"], x["k"], w, a["g_cum"], h_rows, dht_rows, a["do"], dv_local,
+                                           cu_seqlens=rows)
+    assert dh0_r.shape[0] == S
+    return max(rel_l2(h_r, h), rel_l2(v_new_r, v_new), rel_l2(dh_r, dh), rel_l2(dv2_r, dv2),
+               rel_l2(dh0_r[first_rows(p).long()], dh0))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("problem", CHAIN_PROBLEMS[::2], ids=lambda p: p.label)
+@pytest.mark.parametrize("L", [1, 3])
+def test_walk_over_segment_rows_is_the_whole_walk(problem, L):
+    assert check_walk_over_segment_rows(problem, L) < 1e-12
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_walk_check_fails_on_wrong_rows():
+    """dh0 from each sequence's last segment row, or every row's dht one row off, fails the check."""
+    problem = CHAIN_PROBLEMS[2]
+    assert check_walk_over_segment_rows(problem, 3, first_rows=lambda p: p.last_segment) > 1e-3
+    assert check_walk_over_segment_rows(problem, 3, shift=1) > 1e-3
+
+
 def test_chain_check_fails_on_a_chain_without_m():
     """The chain check needs M^T: chaining dZ alone (M taken as 0 everywhere) fails it."""
     def no_exact(*args):
