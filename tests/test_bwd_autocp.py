@@ -362,7 +362,8 @@ def test_stage_contract():
             ("chunk_size", 32, "`chunk_size` must be 64"),
             ("q", x["q"][..., :64], "`q` must have head dim K = 128"),
             ("v", x["v"][..., :64], "`v` must have head dim V = 128"),
-            ("v", torch.cat([x["v"]] * 2, 2)[:, :, :3], "multiple of the H = 2 heads of q; got HV = 3")]:
+            ("v", torch.cat([x["v"]] * 2, 2)[:, :, :3], "multiple of the H = 2 heads of q; got HV = 3"),
+            ("cp", "auto", "`cp` must be None, True, False or a segment length in chunks; got 'auto'")]:
         with pytest.raises(ValueError, match=message):
             S03.run(**dict(x, **{name: change}))
 

@@ -53,9 +53,9 @@ cheapest is below 1 / MIN_GAIN of the unsplit walk. The constants are ASSUMED, n
 a warm-up step like a walk step (the same products without the stores) plus s44's phase 1 at
 0.6 of one, a chain step 1.7 walk steps (gdn_fwd's SEGMENT_STEPS 4.8 fused steps of ~1.1 us,
 against ~3 us a walk step: s01's chunk_h 1.53 ms and dhu 1.61 ms for 512 chunks on (16, 64) 1 x
-32768), a fixed 15 steps. On 132 SMs they split (2, 8) 1 x 8192 and 1 x 32768, (4, 16) and
-(16, 16) 1 x 32768 (L 16, 32, 32, 32) and nothing with 24 value heads or more (the walk fills
-the SMs there).
+32768), a fixed 15 steps. On 132 SMs they split (2, 8) 1 x 8192 (L 16), 1 x 32768 of (2, 8),
+(4, 16) and (16, 16) (L 32), 28672 + 4096 of those three (L 32), and nothing with 24 value heads
+or more, nor 8 x 4096 (the walk fills the SMs there).
 
 Expected effect (until measured): on (2, 8) 1 x 32768 the walks drop from 512 chunk steps to
 about 250 (L 32, 16 segments, four waves of 128 CTAs of 32 chunks, plus the warm-ups and
@@ -448,6 +448,8 @@ def run(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqle
     if HV % H:
         raise ValueError(f"gdn_bwd.s03: `v` must have a number of value heads HV that is a "
                          f"multiple of the H = {H} heads of q; got HV = {HV}")
+    if not (cp is None or isinstance(cp, int)):
+        raise ValueError(f"gdn_bwd.s03: `cp` must be None, True, False or a segment length in chunks; got {cp!r}")
     device = q.device
     p = None if B * T == 0 else split_plan(cu_seqlens, B, T, HV, autocp.num_sms(device), device, cp)
     if p is None:
