@@ -26,7 +26,10 @@ The segment boundary values, with the plan's slots (segment j of sequence n), in
                          segment's start, ``flashqla.autocp.backward_windows`` as a kernel
     dh warm-up           ``dh_warmup_kernel``: per backward slot and head, dZ_j, the reverse walk
                          from zero over the window (s02's reverse role without its stores), and
-                         for exact heads M_j^T, the same walk from dS' = I with dO = 0
+                         for exact heads M_j^T, the same walk from dS' = I with dO = 0 (not the
+                         forward's warm-up from S = I: it reads whole chunks only, where a
+                         sequence's last segment, whose M_j^T carries dht, may end in a partial
+                         one, and it gives M, which the chain would need transposed)
     reverse chain        gdn_fwd.s44's chain kernel on the backward slots: dht_{j-1} = dZ_j +
                          M_j^T dht_j, from each sequence's dht (its last segment's) back
     walk                 s02's, over the segment rows: h, v_new, dh, dV~, a dh0 per row
