@@ -350,6 +350,56 @@ def segment_initial_states(p: Plan, h0: torch.Tensor, z: torch.Tensor, m: torch.
     return hs.view(J * N, HV, K, V).index_select(0, p.slot_of_segment)
 
 
+def backward_windows(p: Plan, g_cum: torch.Tensor, violations: torch.Tensor,
+                     threshold: float = THRESHOLD, has_dht: bool = True):
+    """Backward AutoCP's windows, on backward slots: (win_start, win_end, exact int32 [J N, HV],
+    dht_row int32 [J N]).
+
+    The backward chains the segments from each sequence's last one back to its first, so its slots
+    count from the end: backward slot r N + n (r >= 1) walks segment j = J_n - r of sequence n
+    (J_n its segments) in reverse, from zero at ``win_end``, to its first token ``win_start``, and
+    gives the gradient of the state leaving segment j - 1; slot r then reads slot r - 1's result
+    (a reverse chain over contiguous slots, run by the forward's chain kernel unchanged). The
+    window is the fewest chunks from the segment's start whose log decays (g_cum at each chunk's
+    last real token) sum to <= threshold, within the segment's real chunks and MAX_WARMUP_CHUNKS,
+    wrong by at most exp(that sum) of the true gradient where it ends (``flashqla.reference.
+    segment_state_grads``); the whole segment where no such window exists or where ``violations``
+    (``bound_violations``) counts a token of the segment. ``exact``: the chain needs the segment's
+    transition M_j^T, wherever the walk takes the whole segment (then dZ_j + M_j^T dht_j is exact),
+    unless the segment is the sequence's last and there is no dht (``has_dht`` False: the gradient
+    leaving it is zero). Slots without a segment to walk (r = 0, r >= J_n) get an empty window at the
+    sequence's end. ``dht_row``: the segment row whose dht backward slot r holds, segment J_n - 1 - r
+    (-1 for r >= J_n), where the chain writes it. Device ops only: no synchronization."""
+    L, N, J = p.segment_chunks, p.num_seqs, p.max_segments
+    span, W = CHUNK_SIZE * L, min(p.segment_chunks, MAX_WARMUP_CHUNKS)
+    num_tokens, HV = g_cum.shape
+    device = g_cum.device
+    first_row = p.row_of_slot[:N].long()                             # each sequence's first segment row
+    count = p.last_segment - first_row + 1                           # J_n
+    bos, eos = p.slot_start[:N].long(), p.bounds.long()[p.last_segment + 1]
+    r = torch.arange(J, device=device)[:, None]                      # [J, 1]
+    j = count[None] - r                                              # [J, N]: the segment walked
+    warm = ((r >= 1) & (j >= 1)).reshape(-1, 1)                      # [J N, 1]
+    s = torch.where(warm, (bos + span * j).reshape(-1, 1), eos.repeat(J)[:, None])
+    seq_end = eos.repeat(J)[:, None]
+    e = torch.minimum(s + span, seq_end)
+    real = (e - s + CHUNK_SIZE - 1) // CHUNK_SIZE                    # the segment's chunks
+    i = torch.arange(W, device=device)
+    last = (torch.minimum(s + CHUNK_SIZE * (i + 1), e) - 1).clamp(min=0)   # [J N, W] chunk i's last token
+    ones = torch.ones(W, W, dtype=torch.float64, device=device).triu()
+    decay = g_cum[last].transpose(1, 2).double() @ ones              # [J N, HV, W] over chunks 0..i
+    w_max = real.clamp(max=W)                                        # [J N, 1]
+    short = ((decay > threshold) & (i < w_max[..., None])).sum(2)    # chunks that stay above it
+    head = num_tokens * torch.arange(HV, device=device)
+    bad = violations[e + head] - violations[s + head] > 0            # [J N, HV]
+    whole = warm & ((short == w_max) | bad)
+    win_end = torch.where(warm, torch.minimum(s + CHUNK_SIZE * torch.where(whole, real, short + 1), e), s)
+    exact = warm & (win_end == e) & ((e < seq_end) | has_dht)
+    dht_row = torch.where(r < count, first_row + count - 1 - r, -1).reshape(-1)
+    return (s.expand(-1, HV).to(torch.int32), win_end.to(torch.int32), exact.to(torch.int32),
+            dht_row.to(torch.int32))
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a host query, no synchronization)."""
     device = torch.device(device)
