@@ -9,6 +9,8 @@ CUDA-graph capture of one call per input set and the median over replays, each r
 CUDA events; a row whose capture fails (a host synchronization inside, e.g. reading
 ``cu_seqlens``) falls back to the same loop timed with events and says so in ``method``. Input
 sets rotate so that together they exceed twice the L2 cache: no row is timed out of a warm L2.
+Beside it, ``eager_ms``: a call in a loop of back-to-back eager calls, no graph (``eager_ms``), where
+the host's time to issue a call shows.
 
 Napkin math, the same useful work for every row so that rows compare (a stage that does more
 work, like the recurrence, or less, shows as a lower or higher rate):
@@ -138,6 +140,24 @@ def time_row(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
         end.synchronize()
         repeat = max(3, min(50, int(300 / max(start.elapsed_time(end), 1e-3))))
         return _graph_or_events(fn, sets, repeat)
+
+
+def eager_ms(fn, sets: list[dict], grad: bool = False, graph_ms: float = 0.1) -> float:
+    """Milliseconds of one call in a loop of back-to-back eager calls (no graph): the loop's wall
+    time over its calls, synchronized once at its end, median of three loops of about 100 ms (at
+    most 200 calls). What a user's eager loop runs at: the larger of the host's time to issue a call
+    (Python, the launches) and the GPU's, plus what does not overlap; ``ms`` beside it is the GPU's."""
+    calls = max(10, min(200, int(100 / max(graph_ms, 1e-3))))
+    walls = []
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(sets[i % len(sets)])
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(walls)
 
 
 def time_peer_twice(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
@@ -379,6 +399,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
             try:
                 ms, method = time_peer_twice(fn, sets, training) if name in mode.peers else \
                     time_row(fn, sets, grad=training)
+                eager = eager_ms(fn, sets, training, ms)
             except Exception as exc:  # noqa: BLE001 -- e.g. a peer without this feature: said why
                 rows.append(dict(problem=p.label, impl=name, ms="",
                                  method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}"))
@@ -386,7 +407,8 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
                 _stop_if_device_lost(name, p.label)
                 continue
             base.setdefault(name, ms)
-            rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=method,
+            rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), eager_ms=round(eager, 4),
+                             method=method,
                              tflops=round(flops / ms / 1e9, 1),
                              pct_gemm_roof=round(100 * flops / ms / 1e9 / tflops_roof, 1),
                              gbs=round(nbytes / ms / 1e6), pct_copy_roof=round(
@@ -404,7 +426,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
 
 
 COLUMNS = ("problem", "impl", "ms", "vs_fla", "vs_flashqla", "tflops", "pct_gemm_roof", "gbs",
-           "pct_copy_roof", "x_floor", "method")
+           "pct_copy_roof", "x_floor", "method", "eager_ms")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -412,7 +434,7 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         cells = [str(r.get(c, "")) for c in COLUMNS]
         lines.append(f"{cells[0]:28} {cells[1]:34} " + " ".join(f"{c:>8}" for c in cells[2:10])
-                     + f"  {cells[10]}")
+                     + f"  {cells[10]}" + (f"; eager {cells[11]}" if cells[11] else ""))
     return "\n".join(lines)
 
 
@@ -527,9 +549,11 @@ def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
     (ms, ratios, napkin math) and the fastest flashqla stage, then the provenance of every row shown."""
     ratios = api_ratios(rows, mode)
     shown, best_rows = [], []
+    eager = any(r.get("eager_ms") for r in rows)  # runs from before the eager column have none
     lines = ["| problem | GFLOP | MB | FLA ms | FlashQLA ms | API ms | vs FLA | vs FlashQLA | "
-             "API TFLOP/s (% GEMM roof) | API GB/s (% copy roof) | API x floor | fastest stage: ms (commit) |",
-             "|---" * 12 + "|"]
+             + ("eager ms: FLA, FlashQLA, API | " if eager else "")
+             + "API TFLOP/s (% GEMM roof) | API GB/s (% copy roof) | API x floor | fastest stage: ms (commit) |",
+             "|---" * (13 if eager else 12) + "|"]
 
     def ms(r):
         return r["ms"] + ("" if r["method"] == GRAPH else " †")
@@ -545,7 +569,8 @@ def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
         lines.append(
             f"| {short_label(label)} | {mode.flops(p) / 1e9:.1f} | {mode.bytes(p) / 1e6:.0f} | {ms(fla)} | "
             f"{ms(flashqla)} | {ms(api)} | {ratios[label][0]:.2f} | {ratios[label][1]:.2f} | "
-            f"{api['tflops']} ({api['pct_gemm_roof']} %) | {api['gbs']} ({api['pct_copy_roof']} %) | "
+            + (" / ".join(r.get("eager_ms") or "-" for r in (fla, flashqla, api)) + " | " if eager else "")
+            + f"{api['tflops']} ({api['pct_gemm_roof']} %) | {api['gbs']} ({api['pct_copy_roof']} %) | "
             f"{api['x_floor']} | "
             + (f"{stage_id(best['impl'])}: {ms(best)} ({best['commit'][:7]}) |" if best else "- |"))
     methods = dict.fromkeys(r["method"] for r in shown + best_rows if r["method"] != GRAPH)

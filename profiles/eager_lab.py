@@ -56,7 +56,7 @@ def rows():
     return out
 
 
-def eager_ms(fn, sets) -> tuple[float, float]:
+def eager_and_host_ms(fn, sets) -> tuple[float, float]:
     """(wall ms a call of a back-to-back loop, host ms a call before the loop's synchronize),
     the median of three loops."""
     walls, hosts = [], []
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             sets = bench.input_sets(p, l2)
             for name, fn in cands:
                 graph, method = bench.time_row(fn, sets)
-                wall, host = eager_ms(fn, sets)
+                wall, host = eager_and_host_ms(fn, sets)
                 out.append(dict(problem=p.label, impl=name, graph_ms=round(graph, 4),
                                 eager_ms=round(wall, 4), host_ms=round(host, 4),
                                 eager_over_graph=round(wall / graph, 2), method=method, **meta))
