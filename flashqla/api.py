@@ -94,7 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashqla import reference
+from flashqla import checks, reference
 from flashqla.hopper import hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds, remember_bounds
@@ -109,17 +109,15 @@ _EXTRA_KWARGS = ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transp
                  "head_first")
 
 
+_NAME = "chunk_gated_delta_rule"
+
+
 def _fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"chunk_gated_delta_rule: `{name}` must be {expected}; got {got}")
+    checks.fail(_NAME, name, expected, got)
 
 
 def _check_tensor(name, x, ndim, dtypes) -> None:
-    if not isinstance(x, torch.Tensor):
-        _fail(name, "a torch.Tensor", type(x).__name__)
-    if x.dim() != ndim:
-        _fail(name, f"{ndim}-D", f"shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        _fail(name, "one of " + ", ".join(str(d) for d in dtypes), x.dtype)
+    checks.check_tensor(_NAME, name, x, ndim, dtypes)
 
 
 def _extra_kwargs(kwargs: dict, state_v_first: bool) -> tuple[bool, Any, Any, bool]:
@@ -167,21 +165,9 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first=Fals
     """Raise ValueError naming the first bad argument, before any work. Reads no tensor's values
     (``check_bounds`` does that, inside the op): ``gate`` is (A_log, dt_bias) for
     use_gate_in_kernel."""
-    for name, x, ndim in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
-        _check_tensor(name, x, ndim, _ACT_DTYPES)
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        _fail("k", f"the shape of q [B, T, H, K] = {tuple(q.shape)}", f"shape {tuple(k.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        _fail("k and v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
-    if v.shape[:2] != (B, T):
-        _fail("v", f"[B, T, HV, V] with B, T = {B}, {T} as in q", f"shape {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if K == 0 or V == 0 or H == 0:
-        _fail("q and v", "non-empty head dimensions (H, K, V >= 1)", f"H={H}, K={K}, V={V}")
-    if HV % H:
-        _fail("v", f"a number of value heads HV that is a multiple of the H = {H} heads of q and k "
-              "(grouped value attention)", f"HV = {HV}")
+    B, T, H, K, HV, V = checks.check_qkv(_NAME, q, k, v, _ACT_DTYPES)
+    for name, x in (("g", g), ("beta", beta)):
+        _check_tensor(name, x, 3, _ACT_DTYPES)
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, HV):
             _fail(name, f"[B, T, HV] = {(B, T, HV)}", f"shape {tuple(x.shape)}")
@@ -238,13 +224,7 @@ def check_bounds(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, T: in
     else:
         cu = host_bounds(cu_seqlens)
     if cu is not None:
-        name = "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu"
-        if cu[0] != 0:
-            _fail(name, "starting at 0", f"{name}[0] = {cu[0]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            _fail(name, "non-decreasing", cu if len(cu) <= 16 else "a decreasing step")
-        if cu[-1] != T:
-            _fail(name, f"ending at T = {T}", f"{name}[-1] = {cu[-1]}")
+        checks.check_bound_values(_NAME, "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu", cu, T)
     return cu
 
 

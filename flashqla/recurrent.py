@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla import reference
+from flashqla import checks, reference
 from flashqla.hopper import compile_hopper, hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds
@@ -343,19 +343,11 @@ _NAME = "fused_recurrent_gated_delta_rule"
 
 
 def _fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"{_NAME}: `{name}` must be {expected}; got {got}")
+    checks.fail(_NAME, name, expected, got)
 
 
 def _check_tensor(name, x, shape, dtypes) -> None:
-    if not isinstance(x, torch.Tensor):
-        _fail(name, "a torch.Tensor", type(x).__name__)
-    if x.dtype not in dtypes:
-        _fail(name, "one of " + ", ".join(str(d) for d in dtypes), x.dtype)
-    if isinstance(shape, int):
-        if x.dim() != shape:
-            _fail(name, f"{shape}-D", f"shape {tuple(x.shape)}")
-    elif tuple(x.shape) != tuple(shape):
-        _fail(name, f"of shape {tuple(shape)}", f"shape {tuple(x.shape)}")
+    checks.check_tensor(_NAME, name, x, shape, dtypes)
 
 
 def _scale(scale) -> float | None:
@@ -373,21 +365,7 @@ def check_inputs(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, use_gate_i
                  dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                  inplace_final_state, ssm_state_indices) -> None:
     """Raise ValueError naming the first bad argument, before any work."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 4, _FLOATS)
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        _fail("k", f"the shape of q [B, T, H, K] = {tuple(q.shape)}", f"shape {tuple(k.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        _fail("k and v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
-    if v.shape[:2] != (B, T):
-        _fail("v", f"[B, T, HV, V] with B, T = {B}, {T} as in q", f"shape {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if min(H, K, HV, V) == 0:
-        _fail("q and v", "non-empty head dimensions (H, K, HV, V >= 1)", f"H={H}, K={K}, HV={HV}, V={V}")
-    if HV % H:
-        _fail("v", f"a number of value heads HV that is a multiple of the H = {H} heads of q and k "
-              "(grouped value attention)", f"HV = {HV}")
+    B, T, H, K, HV, V = checks.check_qkv(_NAME, q, k, v, _FLOATS)
     for name, x in (("gk", gk), ("gv", gv)):
         if x is not None:
             _fail(name, "None (per-key and per-value decays are not supported: pass the per-head "
@@ -417,12 +395,7 @@ def check_inputs(q, k, v, g, gk, gv, beta, initial_state, cu_seqlens, use_gate_i
         N = cu_seqlens.numel() - 1
         cu = host_bounds(cu_seqlens)  # None inside CUDA-graph capture: checked by the eager calls
         if cu is not None:
-            if cu[0] != 0:
-                _fail("cu_seqlens", "starting at 0", f"cu_seqlens[0] = {cu[0]}")
-            if any(b < a for a, b in zip(cu, cu[1:])):
-                _fail("cu_seqlens", "non-decreasing", cu if len(cu) <= 16 else "a decreasing step")
-            if cu[-1] != T:
-                _fail("cu_seqlens", f"ending at T = {T}", f"cu_seqlens[-1] = {cu[-1]}")
+            checks.check_bound_values(_NAME, "cu_seqlens", cu, T)
     state = (HV, V, K) if state_v_first else (HV, K, V)
     layout = "[.., HV, V, K] (state_v_first)" if state_v_first else "[.., HV, K, V]"
     if initial_state is not None:
