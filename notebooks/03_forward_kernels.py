@@ -96,7 +96,7 @@ for stage_id, what in path:
 # %% [markdown]
 # Every other stage is the *lab log*: the experiments between two milestones, each frozen, tested
 # and measured, some kept and some dropped (`Stage.milestone` is False). The book page
-# [Lab log](../lab_log.md) lists them with what each changed and what it measured; you never need
+# [Lab log](/lab_log.md) lists them with what each changed and what it measured; you never need
 # it to follow the course.
 
 # %%
@@ -415,7 +415,7 @@ for H, HV, T_ in ((2, 8, 32768), (16, 32, 32768), (16, 64, 32768), (16, 64, 2048
 # With few heads and one long sequence, the chain alone sets the time and most SMs are idle: for
 # (2, 8) only 16 CTAs have work. Nsight Compute shows what the fused kernel does with its time,
 # next to the two FLA kernels it replaces, profiled on the same card model and problem at two
-# commits (`profiles/ncu_lab.py`; the book page [Nsight labs](../nsight_labs.md) says how to run it):
+# commits (`profiles/ncu_lab.py`; the book page [Nsight labs](/nsight_labs.md) says how to run it):
 
 # %%
 ncu = [r for n in ("s00", "s03") for r in bench.read_csv(bench.RESULTS / f"ncu_gdn_fwd_{n}.csv")
@@ -442,7 +442,7 @@ for r in ncu:
 # ## How every stage is checked
 #
 # A stage passes when every output is within a bound derived from bf16 arithmetic
-# (`flashqla.testing.check_op`, the book page [How a stage is checked](../checking.md)): with
+# (`flashqla.testing.check_op`, the book page [How a stage is checked](/checking.md)): with
 # $\mathrm{err}$ the relative L2 error against the float64 reference and
 # $\mathrm{err}_{\mathrm{bf16}}$ the error of the same reference math run in bf16 PyTorch,
 #

@@ -519,7 +519,7 @@ for builder, widths in KERNELS.items():
 # All three keep s05's skeleton: a producer warpgroup with 24 registers, three consumer roles whose
 # budgets fill the pool of 512 threads, tile stages and hand-off slots, and ready / free barriers
 # named for each hand-off. The stages between s05 and the library's forward (`gdn_fwd.s07` to `s45`, some kept,
-# some measured and dropped) are the [lab log](../lab_log.md): each one changed one of the
+# some measured and dropped) are the [lab log](/lab_log.md): each one changed one of the
 # moves above and recorded its measured effect in its docstring.
 #
 # ## 6. Where the roles spend their cycles
