@@ -27,7 +27,7 @@ from flashqla.stages import load
 from flashqla.testing import (PUBLIC_HEADS, ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats,
                               check_op, op_inputs, rel_l2, run_on_threads)
 from flashqla.varlen import chunk_table
-from test_autocp import brute_force_bwd_windows, bwd_inputs, cu_of
+from test_autocp import GPU_CASES, brute_force_bwd_windows, bwd_inputs, cu_of, head_errors
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -397,16 +397,7 @@ def test_stage_matches_reference(problem, cp, compiled):
     check_op("gdn_bwd", functools.partial(S03.run, cp=cp), gpu_inputs(problem))
 
 
-def head_errors(got, want, axis):
-    return [rel_l2(got.select(axis, h), want.select(axis, h)) for h in range(got.shape[axis])]
-
-
-SPLIT_CASES = [
-    (Problem(2, 8, (4096,)), 8),                                    # 8 segments of 512 tokens
-    (Problem(4, 16, (3000, 1, 700, 2500, 64, 1300)), 4),            # varlen, 17 segments, empty rows
-    (Problem(16, 16, (2048, 2048), varlen=False), 3),
-    (Problem(2, 8, (777, 5000), initial_state=False), 2),           # 42 segments
-]
+SPLIT_CASES = GPU_CASES  # the forward's AutoCP cases: the same splits, backward
 
 
 @pytest.mark.gpu
