@@ -495,7 +495,7 @@ def chunk_gated_delta_rule(
     """
     use_gate, A_log, dt_bias, state_v_first = _extra_kwargs(kwargs, state_v_first)
     if cp_context is not None:  # the local bounds are the context's; initial_state has global rows
-        cp.check_call(cp_context, q, v, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first, _ACT_DTYPES)
+        cp.check_context(cp_context, cu_seqlens, cu_seqlens_cpu)
         cu_seqlens, cu_seqlens_cpu = cp_context.cu_seqlens, cp_context.cu_seqlens_cpu
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail("allow_neg_eigval", "False unless use_beta_sigmoid_in_kernel=True", True)
@@ -504,6 +504,8 @@ def chunk_gated_delta_rule(
     scale = _scale_value(scale)
     check_inputs(q, k, v, g, beta, initial_state if cp_context is None else None, cu_seqlens, state_v_first,
                  cu_seqlens_cpu, chunk_indices, (A_log, dt_bias) if use_gate else None)
+    if cp_context is not None:
+        cp.check_shard(cp_context, q, v, initial_state, state_v_first, _ACT_DTYPES)
     if use_qk_l2norm_in_kernel:
         q, k = (reference.l2norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
                 for x in (q, k))

@@ -9,40 +9,42 @@ Build a context once per ``cu_seqlens`` (FLA 0.6.0's ``fla.ops.cp.build_cp_conte
 The math. A sequence's recurrence over any span of its tokens is affine in the state entering it:
 the state leaving the span is M h + Z, with M (K x K per value head) the product over the span's
 tokens of exp(g_t) (I - beta_t k_t k_t^T) (``reference.sequence_transition``) and Z the state
-leaving it from h = 0. Cut the tokens into P equal slots (P = world size; 2 x world size zigzag).
-Per slot s a sequence s0 < s started on, the state entering slot s is
+leaving it from h = 0. Cut the T packed tokens into P equal slots (P = world size, or 2 x world
+size zigzag). A sequence over slots s0 < ... < s1 has a piece in each; with Z_s the state leaving
+its piece of slot s from zero (from the sequence's initial state on s0) and M_s that piece's
+transition, the state entering its piece of slot s > s0 is the scan
 
-    h_s = M_{s-1} h_{s-1} + Z_{s-1},   h_{s0 + 1} = Z_{s0} (the piece that opened on s0, run from
-                                       the sequence's initial state, holds it)
+    h_{s0 + 1} = Z_{s0},   h_{s + 1} = M_s h_s + Z_s
 
-and the output of slot s is the local forward run from h_s. Backward, with dZ_s the gradient of
-the state entering slot s's first piece from that slot's own do and dht (the gradient of a state
-depends only on what comes after it, linearly), the gradient of the state leaving slot s is
+and each rank's output is its local forward from those states. Backward, with dZ_s the gradient
+of the state entering the piece of slot s from that slot's own do (and dht on s1), linear in
+them and free of the states, the gradient of the state leaving the piece of slot s < s1 is
 
-    dh_s = dZ_{s+1} + M_{s+1}^T dh_{s+1},  down from the slot s1 the sequence ends on (dh_{s1 - 1} = dZ_{s1})
+    dh_{s1 - 1} = dZ_{s1},   dh_{s - 1} = M_s^T dh_s + dZ_s
 
-and the local backward run with it as the last piece's dht gives every gradient of the slot.
-Only a slot that one sequence fills end to end ("spanning") needs M: the first slot's M meets
-h = 0 and the last slot's M^T meets dh = 0.
+and the local backward with it as that piece's dht gives every gradient of the shard. Only the
+slots a sequence fills end to end (s0 < s < s1, "spanning") need M: Z_{s0} starts the scan and
+dZ_{s1} the reverse one.
 
-Per call and rank, forward: (1) the boundary pass, the last piece of each held slot when its
-sequence goes on to a later slot: its Z from the local start (the sequence's initial state, or
-zero) and, for a spanning slot, its M; (2) one all_gather of those (Z, M) pairs; (3) the fold
-above for the first piece of each held slot that continues a sequence; (4) the local forward
-from the true initial states. The backward mirrors it: dZ of each continuing first piece, an
-all_gather, the reverse fold, the local backward. The folds run in slot order on every rank:
-the results are deterministic and equal a single-process run to rounding (float64: about 1e-15,
-``tests/test_cp.py``). Exchanged per direction and rank: held slots x HV x K x (V + K) numbers
-(one all_gather), 8.4 MB per slot for (HV, K, V) = (64, 128, 128) in float32.
+Per call and rank, forward: (1) the boundary pass: for the last piece of each held slot whose
+sequence goes on to a later slot, its Z and, when it spans its slot, its M; (2) one all_gather
+of those (Z, M) pairs; (3) the scan for the first piece of each held slot that continues a
+sequence; (4) the local forward from the true initial states. The backward mirrors it: dZ of
+each continuing first piece, an all_gather, the reverse scan, the local backward. The scans run
+in slot order, the same on every rank, so no result depends on timing; in float64 every output
+and gradient matched a single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and
+4 gloo ranks). Exchanged per direction and rank: held slots x HV x K x (V + K) numbers in one
+all_gather, 8.4 MB a slot at (HV, K, V) = (64, 128, 128) in float32.
 
 What runs. Every local pass is the chunked PyTorch reference in float32 (float64 for float64
 inputs) on the inputs' device, on any world size (1 included), over gloo or NCCL; the kernels do
-not run context parallelism (``FLASHQLA_BACKEND=kernels`` raises, auto warns once). The host
-reads nothing on the call: the context holds the bounds. A warm-up variant (AutoCP's idea across
-ranks) would replace the fold for heads whose log decay over the previous slot's tail reaches a
-threshold by that tail run from zero (error at most exp(threshold) times the state's norm where
-the tail starts), so those heads need no M and no chain through more than one slot; g = 0 heads
-would keep the exact fold.
+not run context parallelism (``FLASHQLA_BACKEND=kernels`` raises, auto warns once). The call
+copies nothing from the device to the host: the context holds the bounds. Under torch.compile
+the call runs eagerly (a graph break). A warm-up variant (AutoCP's idea across ranks) would
+replace the scan, for heads whose log decay over the tail of the previous slot reaches a
+threshold, by that tail run from zero (wrong by at most exp(threshold) times the state's norm
+where the tail starts): those heads would need no M and no chain through more than one slot,
+and g = 0 heads would keep the exact scan.
 
 Layouts (FLA's). ``contiguous``: rank r holds slot r, tokens [r L, (r + 1) L), L = T / world
 size. ``zigzag``: rank r holds slots r and 2 W - 1 - r, L = T / (2 W), concatenated [front;
@@ -199,33 +201,41 @@ def build_cp_context(cu_seqlens: Tensor, group=None, *, cu_seqlens_cpu: Tensor |
                      cu_cpu.to(cu_seqlens.device), cu_cpu)
 
 
-def check_call(ctx, q: Tensor, v: Tensor, initial_state: Tensor | None, cu_seqlens, cu_seqlens_cpu,
-               state_v_first: bool, dtypes) -> None:
-    """The checks of ``chunk_gated_delta_rule(..., cp_context=ctx)`` that concern the context (a
-    ValueError naming the argument); the api checks the rest against ``ctx.cu_seqlens``."""
+def check_context(ctx, cu_seqlens, cu_seqlens_cpu) -> None:
+    """``chunk_gated_delta_rule(..., cp_context=ctx)``: ctx is this rank's context, and cu_seqlens
+    and cu_seqlens_cpu are None or its own (a ValueError naming the argument)."""
     fn = "chunk_gated_delta_rule"
     if not isinstance(ctx, CPContext):
         checks.fail(fn, "cp_context", "None or a context from flashqla.cp.build_cp_context", type(ctx).__name__)
     if ctx.group is not None and dist.get_rank(ctx.group) != ctx.rank:
         checks.fail(fn, "cp_context", f"built by this rank ({dist.get_rank(ctx.group)})", f"rank {ctx.rank}'s")
-    for name, x, own in (("cu_seqlens", cu_seqlens, ctx.cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu, ctx.cu_seqlens_cpu)):
+    for name, x, own in (("cu_seqlens", cu_seqlens, ctx.cu_seqlens),
+                         ("cu_seqlens_cpu", cu_seqlens_cpu, ctx.cu_seqlens_cpu)):
         if x is not None and x is not own:
             checks.fail(fn, name, f"None or cp_context.{name} with cp_context (the local bounds)", "another tensor")
-    if q.dim() == 4 and (q.shape[0] != 1 or q.shape[1] != ctx.num_tokens):
+
+
+def check_shard(ctx: CPContext, q: Tensor, v: Tensor, initial_state: Tensor | None, state_v_first: bool,
+                dtypes) -> None:
+    """After the api's checks of q, k, v, g, beta: q holds this rank's tokens, and initial_state
+    has a row per global sequence (a ValueError naming the argument)."""
+    fn = "chunk_gated_delta_rule"
+    if q.shape[1] != ctx.num_tokens:
         checks.fail(fn, "q", f"this rank's shard [1, {ctx.num_tokens}, H, K] with cp_context "
                     f"({len(ctx.slots)} slot(s) of {ctx.part_len} tokens)", f"shape {tuple(q.shape)}")
-    if initial_state is not None:
-        checks.check_tensor(fn, "initial_state", initial_state, 4, dtypes)
-        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-        want = (ctx.num_seqs, HV, V, K) if state_v_first else (ctx.num_seqs, HV, K, V)
-        if tuple(initial_state.shape) != want:
-            checks.fail(fn, "initial_state", f"{want} with cp_context: one row per sequence of the "
-                        "global cu_seqlens, the same on every rank", f"shape {tuple(initial_state.shape)}")
-        if initial_state.device != q.device:
-            checks.fail(fn, "initial_state", f"on q's device {q.device}", initial_state.device)
+    if initial_state is None:
+        return
+    checks.check_tensor(fn, "initial_state", initial_state, 4, dtypes)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    want = (ctx.num_seqs, HV, V, K) if state_v_first else (ctx.num_seqs, HV, K, V)
+    if tuple(initial_state.shape) != want:
+        checks.fail(fn, "initial_state", f"{want} with cp_context: one row per sequence of the "
+                    "global cu_seqlens, the same on every rank", f"shape {tuple(initial_state.shape)}")
+    if initial_state.device != q.device:
+        checks.fail(fn, "initial_state", f"on q's device {q.device}", initial_state.device)
 
 
-# ---- the scans over slots (their order is fixed: deterministic)
+# ---- the scans over slots, in slot order
 
 def fold_states(pairs: list[tuple[Tensor, Tensor]]) -> Tensor:
     """The state entering a slot from the (Z, M) of the slots before it, first to last:
@@ -259,7 +269,7 @@ def _pairs(got: Tensor, ctx: CPContext, slots, vd: int) -> list[tuple[Tensor, Te
     return [(got[ctx.place(s)][..., :vd], got[ctx.place(s)][..., vd:]) for s in slots]
 
 
-def _boundary(x, ctx, piece, h0, vd, backward_of=None):
+def _boundary(x, piece, h0, vd, backward_of=None):
     """One exchanged row for ``piece`` [HV, K, V + K]: its Z (forward) or, with ``backward_of`` =
     (do, dht_local row), its dZ, and its M when it spans its slot (zeros: no slot reads it)."""
     sl = slice(piece.start, piece.end)
@@ -296,7 +306,7 @@ def _forward(x, initial_state, ctx):
         send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
         for p, piece in enumerate(ctx.pieces):
             if piece.outgoing:
-                send[ctx.slots.index(piece.slot)] = _boundary(x, ctx, piece, h0[p:p + 1], vd)
+                send[ctx.slots.index(piece.slot)] = _boundary(x, piece, h0[p:p + 1], vd)
     with nvtx_range("cp.fwd.exchange"):
         got = _all_gather(send, ctx)
     for p, piece in enumerate(ctx.pieces):
@@ -327,7 +337,7 @@ def _backward(x, h0, do, dht, ctx, want_dh0: bool):
         for p, piece in enumerate(ctx.pieces):
             if piece.incoming:
                 send[ctx.slots.index(piece.slot)] = _boundary(
-                    x, ctx, piece, h0[p:p + 1], vd, backward_of=(do, dht_local[p:p + 1]))
+                    x, piece, h0[p:p + 1], vd, backward_of=(do, dht_local[p:p + 1]))
     with nvtx_range("cp.bwd.exchange"):
         got = _all_gather(send, ctx)
     for p, piece in enumerate(ctx.pieces):
