@@ -165,16 +165,18 @@ def build_cp_context(cu_seqlens: Tensor, group=None, *, cu_seqlens_cpu: Tensor |
     if layout not in LAYOUTS:
         _fail("layout", " or ".join(repr(x) for x in LAYOUTS), repr(layout))
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in _INT_DTYPES:
-        _fail("cu_seqlens", "an int32 or int64 tensor", getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__))
+        _fail("cu_seqlens", "an int32 or int64 tensor",
+              getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__))
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         _fail("cu_seqlens", "1-D with at least 2 entries [0, ..., T]", f"shape {tuple(cu_seqlens.shape)}")
     name = "cu_seqlens"
     if cu_seqlens_cpu is not None:
-        if (not isinstance(cu_seqlens_cpu, Tensor) or cu_seqlens_cpu.dtype not in _INT_DTYPES
-                or cu_seqlens_cpu.shape != cu_seqlens.shape or cu_seqlens_cpu.device.type != "cpu"):
-            _fail("cu_seqlens_cpu", f"an int32 or int64 CPU tensor of cu_seqlens's shape {tuple(cu_seqlens.shape)}",
-                  f"{getattr(cu_seqlens_cpu, 'dtype', type(cu_seqlens_cpu).__name__)} "
-                  f"{tuple(getattr(cu_seqlens_cpu, 'shape', ()))} on {getattr(cu_seqlens_cpu, 'device', '?')}")
+        x = cu_seqlens_cpu
+        if (not isinstance(x, Tensor) or x.dtype not in _INT_DTYPES or x.shape != cu_seqlens.shape
+                or x.device.type != "cpu"):
+            _fail("cu_seqlens_cpu", f"an int32 or int64 CPU tensor of cu_seqlens's shape "
+                  f"{tuple(cu_seqlens.shape)}",
+                  f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__)
         name = "cu_seqlens_cpu"
     bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
     checks.check_bound_values("build_cp_context", name, bounds, bounds[-1])
@@ -191,8 +193,9 @@ def build_cp_context(cu_seqlens: Tensor, group=None, *, cu_seqlens_cpu: Tensor |
         lo, hi = s * L, (s + 1) * L
         for n in range(len(bounds) - 1):
             a, b = max(bounds[n], lo), min(bounds[n + 1], hi)
-            if a < b:
-                pieces.append(Piece(n, a - lo + i * L, b - lo + i * L, s, bounds[n] // L, (bounds[n + 1] - 1) // L))
+            if a < b:  # local offsets: slot i of the held ones starts at i L
+                pieces.append(Piece(n, a - lo + i * L, b - lo + i * L, s, bounds[n] // L,
+                                    (bounds[n + 1] - 1) // L))
                 local.append(b - lo + i * L)
     empty = tuple(n for n in range(len(bounds) - 1)
                   if bounds[n] == bounds[n + 1] and min(bounds[n] // L, num_slots - 1) in slots)
@@ -206,13 +209,16 @@ def check_context(ctx, cu_seqlens, cu_seqlens_cpu) -> None:
     and cu_seqlens_cpu are None or its own (a ValueError naming the argument)."""
     fn = "chunk_gated_delta_rule"
     if not isinstance(ctx, CPContext):
-        checks.fail(fn, "cp_context", "None or a context from flashqla.cp.build_cp_context", type(ctx).__name__)
-    if ctx.group is not None and dist.get_rank(ctx.group) != ctx.rank:
-        checks.fail(fn, "cp_context", f"built by this rank ({dist.get_rank(ctx.group)})", f"rank {ctx.rank}'s")
+        checks.fail(fn, "cp_context", "None or a context from flashqla.cp.build_cp_context",
+                    type(ctx).__name__)
+    rank = ctx.rank if ctx.group is None else dist.get_rank(ctx.group)
+    if rank != ctx.rank:
+        checks.fail(fn, "cp_context", f"built by this rank ({rank})", f"rank {ctx.rank}'s")
     for name, x, own in (("cu_seqlens", cu_seqlens, ctx.cu_seqlens),
                          ("cu_seqlens_cpu", cu_seqlens_cpu, ctx.cu_seqlens_cpu)):
         if x is not None and x is not own:
-            checks.fail(fn, name, f"None or cp_context.{name} with cp_context (the local bounds)", "another tensor")
+            checks.fail(fn, name, f"None or cp_context.{name} with cp_context (the local bounds)",
+                        "another tensor")
 
 
 def check_shard(ctx: CPContext, q: Tensor, v: Tensor, initial_state: Tensor | None, state_v_first: bool,

@@ -3,6 +3,7 @@ path over varlen mixes, both layouts; outputs, final states and every gradient e
 single-process float64 run to 1e-10, and deliberately broken scans fail the same checks."""
 
 import json
+import os
 import re
 import socket
 import warnings
@@ -24,14 +25,15 @@ BROKEN = 1e-6         # a broken variant must miss by far more than rounding
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def _problem(lengths, seed=0):
+def _problem(lengths, seed=0, device="cpu"):
     """float64 inputs (one value head of each gate kind: g = 0, strong, ordinary decay), the
-    same on every rank, and fixed upstream gradients do, dht."""
+    same on every rank, and fixed upstream gradients do, dht, on ``device``."""
     x = cast_floats(Problem(1, 4, tuple(lengths), K=8, V=8).inputs(seed=seed), F64)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(x["v"].shape, generator=gen, dtype=F64)
     dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=F64)
-    return x, do, dht
+    x = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+    return x, do.to(device), dht.to(device)
 
 
 def _run(x, do, dht, idx=None, **kw):
@@ -49,13 +51,13 @@ def _shard(ctx):
     return torch.cat([torch.arange(s * ctx.part_len, (s + 1) * ctx.part_len) for s in ctx.slots])
 
 
-def _errors(lengths, layout, group=None):
+def _errors(lengths, layout, device="cpu"):
     """Per quantity: max |cp - single process| / max(1, max |single process|), the worst rank.
     Final states and dh0 are compared summed over ranks (each rank holds its sequences' rows)."""
-    x, do, dht = _problem(lengths)
+    x, do, dht = _problem(lengths, device=device)
     want = _run(x, do, dht, cu_seqlens=x["cu_seqlens"])
-    ctx = cp.build_cp_context(x["cu_seqlens"], group, layout=layout)
-    idx = _shard(ctx)
+    ctx = cp.build_cp_context(x["cu_seqlens"], layout=layout)
+    idx = _shard(ctx).to(device)
     got = list(_run(x, do, dht, idx, cp_context=ctx))
     for i in (1, 7):                                              # final state, dh0
         if ctx.world_size > 1:
@@ -64,7 +66,7 @@ def _errors(lengths, layout, group=None):
     for i, (a, b) in enumerate(zip(got, want)):
         b = b if i in (1, 7) else b[:, idx]
         errs.append(((a - b).abs().max() / b.abs().max().clamp(min=1)).item())
-    errs = torch.tensor(errs, dtype=F64)
+    errs = torch.tensor(errs, dtype=F64, device=device)
     if ctx.world_size > 1:
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     return dict(zip(NAMES, errs.tolist()))
@@ -115,9 +117,16 @@ CASES = {
 }
 
 
-def _worker(rank, world, port, out):
+def _worker(rank, world, port, out, device_type):
+    """One rank: every case of CASES[world] over gloo (cpu) or NCCL (cuda, a GPU per rank)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = "cpu"
+    if device_type == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")            # NVLink multicast off
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
         results = []
         with warnings.catch_warnings():
@@ -127,7 +136,7 @@ def _worker(rank, world, port, out):
                 for name, fn in VARIANTS[variant][0].items():
                     setattr(cp, name, fn)
                 try:
-                    results.append(_errors(lengths, layout))
+                    results.append(_errors(lengths, layout, device))
                 finally:
                     for name, fn in saved.items():
                         setattr(cp, name, fn)
@@ -144,19 +153,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_equal_one_process(world, tmp_path):
+def _spawn_cases(world, device_type, tmp_path):
+    out = tmp_path / "errors.json"
+    mp.start_processes(_worker, args=(world, _free_port(), str(out), device_type), nprocs=world,
+                       join=True, start_method="spawn")
+    _check_results(world, json.loads(out.read_text()))
+
+
+def _check_results(world, results):
     """Every case's quantities within TOL; each broken scan misses on every quantity that reads
     it (only a sequence spanning 3 or more slots has an M to forget)."""
-    out = tmp_path / "errors.json"
-    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
-                       start_method="spawn")
-    results = json.loads(out.read_text())
     for (layout, lengths, variant), errs in zip(CASES[world], results):
         label = f"{world} ranks, {layout}, {lengths}, {variant}"
         exact = VARIANTS[variant][1]
         assert all(errs[n] < TOL for n in exact), (label, errs)
         assert all(errs[n] > BROKEN for n in NAMES if n not in exact), (label, sorted(errs.items()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_equal_one_process(world, tmp_path):
+    _spawn_cases(world, "cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_ranks_equal_one_process(world, tmp_path):
+    """The same cases over NCCL, a GPU per rank, against one GPU (the float64 reference on both)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    _spawn_cases(world, "cuda", tmp_path)
 
 
 # ---- one rank, in process
@@ -207,7 +232,8 @@ def test_build_errors_are_named():
     with pytest.raises(ValueError, match=re.escape("`cu_seqlens` must be ending at a positive multiple of 2 "
                                                    "tokens (the zigzag layout")):
         cp.build_cp_context(torch.tensor([0, 301]), layout="zigzag")
-    with pytest.raises(ValueError, match=re.escape("`group` must be None unless torch.distributed is initialized")):
+    with pytest.raises(ValueError, match=re.escape("`group` must be None unless torch.distributed is "
+                                                   "initialized")):
         cp.build_cp_context(cu, object())
 
 
