@@ -128,6 +128,13 @@ class CPContext:
         """Tokens of the local shard."""
         return self.part_len * len(self.slots)
 
+    def rows(self, end: str) -> tuple[list[int], list[int]]:
+        """(local piece indices, their global sequences) of the pieces where their sequence
+        starts (``end`` "first") or ends ("last")."""
+        rows = [(p, piece.seq) for p, piece in enumerate(self.pieces)
+                if not (piece.incoming if end == "first" else piece.outgoing)]
+        return [p for p, _ in rows], [n for _, n in rows]
+
     def place(self, slot: int) -> tuple[int, int]:
         """(rank, index among its held slots) of ``slot``."""
         if self.layout == "contiguous" or slot < self.world_size:
@@ -291,14 +298,10 @@ def _boundary(x, piece, h0, vd, backward_of=None):
     return torch.cat([z[0], m], -1)
 
 
-def _opening_states(ctx, initial_state, like: Tensor) -> Tensor:
-    """[pieces, HV, K, V]: initial_state's row for a piece that starts its sequence, zeros else."""
-    h0 = like.new_zeros(len(ctx.pieces), *like.shape[1:])
-    if initial_state is not None:
-        for p, piece in enumerate(ctx.pieces):
-            if not piece.incoming:
-                h0[p] = initial_state[piece.seq]
-    return h0
+def _copy_rows(dst: Tensor, dst_rows: list[int], src: Tensor, src_rows: list[int]) -> None:
+    """dst[dst_rows] = src[src_rows] for host row lists: one copy, not one per row."""
+    if dst_rows:
+        dst[torch.tensor(dst_rows, device=dst.device)] = src[torch.tensor(src_rows, device=src.device)]
 
 
 def _forward(x, initial_state, ctx):
@@ -306,8 +309,10 @@ def _forward(x, initial_state, ctx):
     (o, final state [N, HV, K, V] with this rank's rows, the true initial state of every piece)."""
     q, v = x[0], x[2]
     hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    like = q.new_zeros(1, hv, kd, vd)
-    h0 = _opening_states(ctx, initial_state, like)
+    h0 = q.new_zeros(len(ctx.pieces), hv, kd, vd)     # each piece's initial state
+    if initial_state is not None:
+        pieces, seqs = ctx.rows("first")
+        _copy_rows(h0, pieces, initial_state, seqs)
     with nvtx_range("cp.fwd.boundary"):
         send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
         for p, piece in enumerate(ctx.pieces):
@@ -320,12 +325,11 @@ def _forward(x, initial_state, ctx):
             h0[p] = fold_states(_pairs(got, ctx, range(piece.first_slot, piece.slot), vd))
     with nvtx_range("cp.fwd.local"):
         o, ht = reference.chunk_gated_delta_rule_ref(*x, h0, True, ctx.cu_seqlens_cpu)
-    final = like.new_zeros(ctx.num_seqs, hv, kd, vd)
-    for p, piece in enumerate(ctx.pieces):
-        if not piece.outgoing:
-            final[piece.seq] = ht[p]
-    for n in ctx.empty:
-        final[n] = 0 if initial_state is None else initial_state[n]
+    final = q.new_zeros(ctx.num_seqs, hv, kd, vd)
+    pieces, seqs = ctx.rows("last")
+    _copy_rows(final, seqs, ht, pieces)
+    if initial_state is not None:                     # an empty sequence's final state is its initial one
+        _copy_rows(final, list(ctx.empty), initial_state, list(ctx.empty))
     return o, final, h0
 
 
@@ -334,10 +338,9 @@ def _backward(x, h0, do, dht, ctx, want_dh0: bool):
     dbeta of the shard and dh0 [N, HV, K, V] with the rows of the sequences starting here."""
     q, v = x[0], x[2]
     hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    dht_local = torch.zeros_like(h0)
-    for p, piece in enumerate(ctx.pieces):
-        if not piece.outgoing:
-            dht_local[p] = dht[piece.seq]
+    dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
+    pieces, seqs = ctx.rows("last")
+    _copy_rows(dht_local, pieces, dht, seqs)
     with nvtx_range("cp.bwd.boundary"):
         send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
         for p, piece in enumerate(ctx.pieces):
@@ -355,11 +358,9 @@ def _backward(x, h0, do, dht, ctx, want_dh0: bool):
     if not want_dh0:
         return (*grads, None)
     dh0 = torch.zeros_like(dht)
-    for p, piece in enumerate(ctx.pieces):
-        if not piece.incoming:
-            dh0[piece.seq] = dh0_local[p]
-    for n in ctx.empty:
-        dh0[n] = dht[n]
+    pieces, seqs = ctx.rows("first")
+    _copy_rows(dh0, seqs, dh0_local, pieces)
+    _copy_rows(dh0, list(ctx.empty), dht, list(ctx.empty))
     return (*grads, dh0)
 
 

@@ -200,6 +200,30 @@ def test_one_rank_bitwise_contiguous():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_one_rank_keywords_dtypes_and_inference():
+    """FLA's keywords, bf16 inputs and a call without autograd take the cp path as they take the
+    plain one (world size 1: the same reference computation), gradients reaching A_log and dt_bias."""
+    x = Problem(2, 4, (70, 1, 64, 65), K=8, V=8).inputs()          # bf16 q, k, v; fp32 gates
+    x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    cu = x.pop("cu_seqlens")
+    gate = {"A_log": torch.linspace(-1, 0.5, 4), "dt_bias": torch.linspace(0, 1, 4)}
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+              state_v_first=True)
+    outs = []
+    for extra in (dict(cu_seqlens=cu), dict(cp_context=cp.build_cp_context(cu))):
+        leaves = {n: t.detach().requires_grad_() for n, t in {**x, **gate}.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        call = {**x, **leaves, **kw, **extra}
+        o, s = api(**call)
+        grads = torch.autograd.grad(o.float().sum() + s.sum(), list(leaves.values()))
+        with torch.no_grad():
+            o_inference, _ = api(**call)
+        assert torch.equal(o_inference, o)
+        outs.append((o, s, *grads))
+    assert outs[1][0].dtype == torch.bfloat16 and outs[1][1].shape == (4, 4, 8, 8)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_sequence_transition_carries_the_initial_state():
     """final(h0) - final(0) = M h0 on the naive recurrence, and a wrong M (one chunk missing) fails."""
     x = cast_floats(Problem(1, 4, (150, 1, 64), K=8, V=8).inputs(), F64)
