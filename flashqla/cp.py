@@ -288,9 +288,9 @@ def _boundary(x, piece, h0, vd, backward_of=None):
     sl = slice(piece.start, piece.end)
     q, k, v, g, beta = (t[:, sl] for t in x[:5])
     scale = x[5]
-    if backward_of is None:
+    if backward_of is None:     # Z: the piece's final state from h0
         _, z = reference.chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True)
-    else:
+    else:                       # dZ: the gradient of the state entering the piece (its dh0)
         do, dht = backward_of
         z = reference.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do[:, sl], dht, scale, h0)[5]
     m = (reference.sequence_transition(k, g, beta)[0] if piece.spanning
@@ -351,7 +351,8 @@ def _backward(x, h0, do, dht, ctx, want_dh0: bool):
         got = _all_gather(send, ctx)
     for p, piece in enumerate(ctx.pieces):
         if piece.outgoing:
-            dht_local[p] = fold_state_grads(_pairs(got, ctx, range(piece.slot + 1, piece.last_slot + 1), vd))
+            later = range(piece.slot + 1, piece.last_slot + 1)
+            dht_local[p] = fold_state_grads(_pairs(got, ctx, later, vd))
     with nvtx_range("cp.bwd.local"):
         *grads, dh0_local = reference.chunk_gated_delta_rule_bwd_ref(
             *x[:5], do, dht_local, x[5], h0, ctx.cu_seqlens_cpu)
@@ -364,8 +365,12 @@ def _backward(x, h0, do, dht, ctx, want_dh0: bool):
     return (*grads, dh0)
 
 
-def _work_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def _work(q, k, v, g, beta, scale, initial_state):
+    """(x = (q, k, v, g, beta, scale), initial_state) in the work dtype: float64 for float64 q,
+    float32 otherwise (the api's reference path)."""
+    wd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    x = (*(t.to(wd) for t in (q, k, v, g, beta)), scale)
+    return x, None if initial_state is None else initial_state.to(wd)
 
 
 class _Function(torch.autograd.Function):
@@ -374,9 +379,7 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def forward(autograd_ctx, q, k, v, g, beta, initial_state, scale, ctx):
-        wd = _work_dtype(q)
-        x = (*(t.to(wd) for t in (q, k, v, g, beta)), scale)
-        o, final, h0 = _forward(x, None if initial_state is None else initial_state.to(wd), ctx)
+        o, final, h0 = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
         autograd_ctx.save_for_backward(q, k, v, g, beta, h0)
         autograd_ctx.scale, autograd_ctx.cp, autograd_ctx.h0_dtype = scale, ctx, \
             None if initial_state is None else initial_state.dtype
@@ -385,9 +388,8 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(autograd_ctx, do, dht):
         q, k, v, g, beta, h0 = autograd_ctx.saved_tensors
-        wd = h0.dtype
-        x = (*(t.to(wd) for t in (q, k, v, g, beta)), autograd_ctx.scale)
-        *grads, dh0 = _backward(x, h0, do.to(wd), dht.to(wd), autograd_ctx.cp,
+        x, _ = _work(q, k, v, g, beta, autograd_ctx.scale, None)
+        *grads, dh0 = _backward(x, h0, do.to(h0.dtype), dht.to(h0.dtype), autograd_ctx.cp,
                                 autograd_ctx.h0_dtype is not None)
         grads = (d.to(t.dtype) for d, t in zip(grads, (q, k, v, g, beta)))
         return (*grads, None if dh0 is None else dh0.to(autograd_ctx.h0_dtype), None, None)
@@ -401,7 +403,5 @@ def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: float, initial_state, ctx
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, g, beta, initial_state)):
         return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx)
-    wd = _work_dtype(q)
-    x = (*(t.to(wd) for t in (q, k, v, g, beta)), scale)
-    o, final, _ = _forward(x, None if initial_state is None else initial_state.to(wd), ctx)
+    o, final, _ = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
     return o.to(v.dtype), final
