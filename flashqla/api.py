@@ -37,7 +37,11 @@ FLA's keywords, each done before the kernels by differentiable PyTorch ops, the 
     chunk_indices               FLA's chunk table [NT, 2]: its shape is checked, its values are
                                 never read (the kernels build their table from cu_seqlens)
     chunk_size                  64 only (ValueError otherwise)
-    cp_context                  None only: FLA's inter-card context parallelism raises NotImplementedError
+    cp_context                  a context from ``flashqla.cp.build_cp_context`` (FLA's keyword): q, k,
+                                v, g, beta are this rank's shard, a sequence may span ranks, and the
+                                call exchanges states with the other ranks (``flashqla.cp``: the
+                                reference only; cu_seqlens, if given, must be the context's, and
+                                initial_state and the final state have a row per global sequence)
     transpose_state_layout      FLA's deprecated name for state_v_first (a DeprecationWarning)
     head_first                  raises DeprecationWarning, as FLA does
 
@@ -94,7 +98,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashqla import checks, reference
+from flashqla import checks, cp, reference
 from flashqla.hopper import hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds, remember_bounds
@@ -265,6 +269,15 @@ def use_kernels(q: Tensor, v: Tensor) -> bool:
     reason = kernel_unsupported(q.device, q.dtype, q.shape[3], v.shape[3])
     if reason is None:
         return True
+    _fall_back(choice, reason)
+    return False
+
+
+def _fall_back(choice: str, reason: str) -> None:
+    """The reference runs a call the kernels cannot: a RuntimeError under FLASHQLA_BACKEND=kernels,
+    a warning once per reason under auto."""
+    if choice == "reference":
+        return
     if choice == "kernels":
         raise RuntimeError(f"flashqla.chunk_gated_delta_rule: FLASHQLA_BACKEND=kernels, but the kernels "
                            f"cannot run this call: {reason}")
@@ -273,8 +286,7 @@ def use_kernels(q: Tensor, v: Tensor) -> bool:
         _warned.add(reason)
     if new:
         warnings.warn(f"flashqla.chunk_gated_delta_rule: running the PyTorch reference, because {reason}",
-                      stacklevel=2)
-    return False
+                      stacklevel=3)
 
 
 _import_lock = threading.Lock()
@@ -473,6 +485,8 @@ def chunk_gated_delta_rule(
             sequences with cu_seqlens.
         output_final_state: also return the state after the last token of every sequence.
         cu_seqlens: int32/int64 [N + 1] sequence boundaries over T, with B = 1.
+        cp_context: a ``flashqla.cp.build_cp_context`` context: the inputs are then this rank's
+            shard of the packed tokens, N counts the sequences of the global cu_seqlens.
         **kwargs: FLA's use_gate_in_kernel, A_log, dt_bias, chunk_size.
 
     Returns:
@@ -480,16 +494,18 @@ def chunk_gated_delta_rule(
         state_v_first) float32 (float64 for float64 inputs), or None.
     """
     use_gate, A_log, dt_bias, state_v_first = _extra_kwargs(kwargs, state_v_first)
-    if cp_context is not None:
-        raise NotImplementedError("chunk_gated_delta_rule: `cp_context` (FLA's context parallelism "
-                                  "across GPUs) is not supported; pass cp_context=None")
+    if cp_context is not None:  # the local bounds are the context's; initial_state has global rows
+        cp.check_context(cp_context, cu_seqlens, cu_seqlens_cpu)
+        cu_seqlens, cu_seqlens_cpu = cp_context.cu_seqlens, cp_context.cu_seqlens_cpu
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail("allow_neg_eigval", "False unless use_beta_sigmoid_in_kernel=True", True)
     if not use_gate and (A_log is not None or dt_bias is not None):
         _fail("A_log and dt_bias", "None unless use_gate_in_kernel=True", "a tensor")
     scale = _scale_value(scale)
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu,
-                 chunk_indices, (A_log, dt_bias) if use_gate else None)
+    check_inputs(q, k, v, g, beta, initial_state if cp_context is None else None, cu_seqlens, state_v_first,
+                 cu_seqlens_cpu, chunk_indices, (A_log, dt_bias) if use_gate else None)
+    if cp_context is not None:
+        cp.check_shard(cp_context, q, v, initial_state, state_v_first, _ACT_DTYPES)
     if use_qk_l2norm_in_kernel:
         q, k = (reference.l2norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
                 for x in (q, k))
@@ -504,15 +520,21 @@ def chunk_gated_delta_rule(
         initial_state = initial_state.to(_state_dtype(q))
         if state_v_first:  # both layouts give the same bits: the kernels read a contiguous [K, V]
             initial_state = initial_state.transpose(-1, -2).contiguous()
-    if torch.compiler.is_compiling():
-        run = _op
-    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                         for x in (q, k, v, g, beta, initial_state)):
-        run = _Function.apply
-    else:  # nothing to differentiate (inference): the forward alone, without autograd's bookkeeping
-        run = _forward
-    o, final_state = run(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-                         q.shape[3] ** -0.5 if scale is None else scale, bool(output_final_state))
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    if cp_context is not None:
+        _fall_back(backend(), "cp_context (context parallelism across ranks) runs on the reference only")
+        with _no_autocast(q.device):
+            o, final_state = cp.chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, initial_state, cp_context)
+    else:
+        if torch.compiler.is_compiling():
+            run = _op
+        elif torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                             for x in (q, k, v, g, beta, initial_state)):
+            run = _Function.apply
+        else:  # nothing to differentiate (inference): the forward alone, without autograd's bookkeeping
+            run = _forward
+        o, final_state = run(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+                             bool(output_final_state))
     if not output_final_state:
         return o, None
     return o, (final_state.transpose(-1, -2).contiguous() if state_v_first else final_state)

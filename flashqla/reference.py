@@ -450,6 +450,26 @@ def chunk_transition(k, g_cum, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
     return _chunk_steps(k, None, g_cum, beta, cu_seqlens, chunk_size)[0]
 
 
+def sequence_transition(k, g, beta, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """k [B, T, H, K], g, beta [B, T, HV] -> M [N, HV, K, K], every whole sequence's transition:
+
+        final state = M h0 + (the final state from h0 = 0),   M = prod over its tokens, last on the
+        left, of exp(g_t) (I - beta_t k_t k_t^T)
+
+    the product of ``chunk_transition``'s chunk matrices (an empty sequence holds I). Across GPUs
+    (``flashqla.cp``) it carries a state over a rank's shard; transposed, a state's gradient back.
+    Computed in k's dtype.
+    """
+    dt = k.dtype
+    M = chunk_transition(k, chunk_local_cumsum(g.to(dt), cu_seqlens, chunk_size), beta.to(dt),
+                         cu_seqlens, chunk_size)                      # [N, NT, HV, K, K]
+    eye = torch.eye(k.shape[-1], dtype=dt, device=k.device)
+    m = eye.expand(M.shape[0], M.shape[2], *eye.shape)
+    for c in range(M.shape[1]):
+        m = M[:, c] @ m                                               # later chunks on the left
+    return m
+
+
 def segment_states(k, v, g, beta, segment_chunks, initial_state=None, cu_seqlens=None,
                    warmup_chunks=None, chunk_size=CHUNK_SIZE):
     """The state entering every segment of L = segment_chunks chunks: segment j of sequence n is its

@@ -418,7 +418,7 @@ def test_chunk_indices_are_checked_and_recomputed():
 
 FLA_CALL_ERRORS = {
     "chunk_size 32": (dict(chunk_size=32), ValueError, "`chunk_size` must be 64"),
-    "cp_context": (dict(cp_context=object()), NotImplementedError, "`cp_context`"),
+    "cp_context": (dict(cp_context=object()), ValueError, "`cp_context` must be None or a context from"),
     "head_first": (dict(head_first=False), DeprecationWarning, "head_first has been removed"),
     "allow_neg_eigval alone": (dict(allow_neg_eigval=True), ValueError,
                                "`allow_neg_eigval` must be False unless use_beta_sigmoid_in_kernel=True"),

@@ -1,0 +1,290 @@
+"""flashqla.cp: context parallelism across ranks. Spawned gloo ranks (2 and 4) run the reference
+path over varlen mixes, both layouts; outputs, final states and every gradient equal a
+single-process float64 run to 1e-10, and deliberately broken scans fail the same checks."""
+
+import json
+import os
+import re
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashqla
+from flashqla import cp
+from flashqla import reference as ref
+from flashqla.testing import Problem, cast_floats
+
+F64 = torch.float64
+api = flashqla.chunk_gated_delta_rule
+TOL = 1e-10           # float64: the scan reorders sums, so not bitwise, but rounding-level
+BROKEN = 1e-6         # a broken variant must miss by far more than rounding
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _problem(lengths, seed=0, device="cpu"):
+    """float64 inputs (one value head of each gate kind: g = 0, strong, ordinary decay), the
+    same on every rank, and fixed upstream gradients do, dht, on ``device``."""
+    x = cast_floats(Problem(1, 4, tuple(lengths), K=8, V=8).inputs(seed=seed), F64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=F64)
+    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=F64)
+    x = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+    return x, do.to(device), dht.to(device)
+
+
+def _run(x, do, dht, idx=None, **kw):
+    """(o, final state, dq, dk, dv, dg, dbeta, dh0) of <do, o> + <dht, final state>, on the
+    tokens ``idx`` (all without)."""
+    inputs = {n: (x[n] if idx is None or n == "initial_state" else x[n][:, idx]).detach().requires_grad_()
+              for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    o, s = api(**inputs, output_final_state=True, **kw)
+    loss = (o * (do if idx is None else do[:, idx])).sum() + (s * dht).sum()
+    return (o, s, *torch.autograd.grad(loss, list(inputs.values())))
+
+
+def _shard(ctx):
+    """The global token indices of this rank's shard, in local order."""
+    return torch.cat([torch.arange(s * ctx.part_len, (s + 1) * ctx.part_len) for s in ctx.slots])
+
+
+def _errors(lengths, layout, device="cpu"):
+    """Per quantity: max |cp - single process| / max(1, max |single process|), the worst rank.
+    Final states and dh0 are compared summed over ranks (each rank holds its sequences' rows)."""
+    x, do, dht = _problem(lengths, device=device)
+    want = _run(x, do, dht, cu_seqlens=x["cu_seqlens"])
+    ctx = cp.build_cp_context(x["cu_seqlens"], layout=layout)
+    idx = _shard(ctx).to(device)
+    got = list(_run(x, do, dht, idx, cp_context=ctx))
+    for i in (1, 7):                                              # final state, dh0
+        if ctx.world_size > 1:
+            dist.all_reduce(got[i])
+    errs = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        b = b if i in (1, 7) else b[:, idx]
+        errs.append(((a - b).abs().max() / b.abs().max().clamp(min=1)).item())
+    errs = torch.tensor(errs, dtype=F64, device=device)
+    if ctx.world_size > 1:
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    return dict(zip(NAMES, errs.tolist()))
+
+
+# ---- broken scans, each of which a check must catch
+
+def _fold_without_m(pairs):      # the forward scan adds the states and forgets the transitions
+    return sum(z for z, _ in pairs)
+
+
+def _fold_grads_with_m(pairs):   # the reverse scan applies M where M^T belongs
+    dh = torch.zeros_like(pairs[0][0])
+    for dz, m in reversed(pairs):
+        dh = m @ dh + dz
+    return dh
+
+
+def _no_exchange(pairs):         # the ranks never combine: every shard starts from zero
+    return torch.zeros_like(pairs[0][0])
+
+
+# variant: (the cp functions it replaces, the quantities that stay exact). o and the final state
+# are affine in v and h0 with coefficients that no state enters, so dv and dh0 never read the
+# forward's states; dq reads the states, never the state gradients.
+VARIANTS = {"exact": ({}, NAMES),
+            "no M": ({"fold_states": _fold_without_m}, ("dv", "dh0")),
+            "M, not M^T": ({"fold_state_grads": _fold_grads_with_m}, ("o", "final_state", "dq")),
+            "no exchange": ({"fold_states": _no_exchange, "fold_state_grads": _no_exchange}, ())}
+
+# (world size, layout, lengths, variant): slots of 150 (2 ranks) or 100 tokens (4), 75 or 50 zigzag,
+# so chunks of 64 and pieces cross slot boundaries off the chunk grid
+CASES = {
+    2: [("contiguous", (300,), "exact"),                  # one sequence spanning every rank
+        ("contiguous", (40, 200, 60), "exact"),           # shorter than a shard, one crossing off the boundary
+        ("contiguous", (100, 50, 150), "exact"),          # a sequence ending on the boundary
+        ("contiguous", (150, 0, 150), "exact"),           # an empty sequence on the boundary
+        ("zigzag", (300,), "exact"),
+        ("zigzag", (40, 0, 200, 60), "exact"),
+        ("contiguous", (40, 200, 60), "no exchange")],
+    4: [("contiguous", (400,), "exact"),
+        ("contiguous", (30, 330, 40), "exact"),           # spanning every rank, starting off the boundary
+        ("contiguous", (100, 100, 5, 195), "exact"),
+        ("zigzag", (400,), "exact"),
+        ("zigzag", (30, 330, 40), "exact"),
+        ("contiguous", (400,), "no M"),
+        ("contiguous", (400,), "M, not M^T")],
+}
+
+
+def _worker(rank, world, port, out, device_type):
+    """One rank: every case of CASES[world] over gloo (cpu) or NCCL (cuda, a GPU per rank)."""
+    torch.set_num_threads(1)
+    device = "cpu"
+    if device_type == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")            # NVLink multicast off
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        results = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                      # auto's one-time reference warning
+            for layout, lengths, variant in CASES[world]:
+                saved = {name: getattr(cp, name) for name in VARIANTS[variant][0]}
+                for name, fn in VARIANTS[variant][0].items():
+                    setattr(cp, name, fn)
+                try:
+                    results.append(_errors(lengths, layout, device))
+                finally:
+                    for name, fn in saved.items():
+                        setattr(cp, name, fn)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_cases(world, device_type, tmp_path):
+    out = tmp_path / "errors.json"
+    mp.start_processes(_worker, args=(world, _free_port(), str(out), device_type), nprocs=world,
+                       join=True, start_method="spawn")
+    _check_results(world, json.loads(out.read_text()))
+
+
+def _check_results(world, results):
+    """Every case's quantities within TOL; each broken scan misses on every quantity that reads
+    it (only a sequence spanning 3 or more slots has an M to forget)."""
+    for (layout, lengths, variant), errs in zip(CASES[world], results):
+        label = f"{world} ranks, {layout}, {lengths}, {variant}"
+        exact = VARIANTS[variant][1]
+        assert all(errs[n] < TOL for n in exact), (label, errs)
+        assert all(errs[n] > BROKEN for n in NAMES if n not in exact), (label, sorted(errs.items()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_equal_one_process(world, tmp_path):
+    _spawn_cases(world, "cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_ranks_equal_one_process(world, tmp_path):
+    """The same cases over NCCL, a GPU per rank, against one GPU (the float64 reference on both)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    _spawn_cases(world, "cuda", tmp_path)
+
+
+# ---- one rank, in process
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_one_rank_is_the_plain_call(layout):
+    """World size 1 (no torch.distributed): the plain varlen call, zigzag's two slots included."""
+    errs = _errors((40, 0, 200, 60), layout)
+    assert max(errs.values()) < TOL, errs
+
+
+def test_one_rank_bitwise_contiguous():
+    x, do, dht = _problem((70, 1, 64, 65))
+    want = _run(x, do, dht, cu_seqlens=x["cu_seqlens"])
+    got = _run(x, do, dht, cp_context=cp.build_cp_context(x["cu_seqlens"]))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_one_rank_keywords_dtypes_and_inference():
+    """FLA's keywords, bf16 inputs and a call without autograd take the cp path as they take the
+    plain one (world size 1: the same reference computation), gradients reaching A_log and dt_bias."""
+    x = Problem(2, 4, (70, 1, 64, 65), K=8, V=8).inputs()          # bf16 q, k, v; fp32 gates
+    x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    cu = x.pop("cu_seqlens")
+    gate = {"A_log": torch.linspace(-1, 0.5, 4), "dt_bias": torch.linspace(0, 1, 4)}
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+              state_v_first=True)
+    outs = []
+    for extra in (dict(cu_seqlens=cu), dict(cp_context=cp.build_cp_context(cu))):
+        leaves = {n: t.detach().requires_grad_() for n, t in {**x, **gate}.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        call = {**x, **leaves, **kw, **extra}
+        o, s = api(**call)
+        grads = torch.autograd.grad(o.float().sum() + s.sum(), list(leaves.values()))
+        with torch.no_grad():
+            o_inference, _ = api(**call)
+        assert torch.equal(o_inference, o)
+        outs.append((o, s, *grads))
+    assert outs[1][0].dtype == torch.bfloat16 and outs[1][1].shape == (4, 4, 8, 8)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_sequence_transition_carries_the_initial_state():
+    """final(h0) - final(0) = M h0 on the naive recurrence, and a wrong M (one chunk missing) fails."""
+    x = cast_floats(Problem(1, 4, (150, 1, 64), K=8, V=8).inputs(), F64)
+    plain = {**x, "initial_state": None}
+    _, with_h0 = ref.naive_recurrent_gated_delta_rule(**x)
+    _, from_zero = ref.naive_recurrent_gated_delta_rule(**plain)
+    M = ref.sequence_transition(x["k"], x["g"], x["beta"], x["cu_seqlens"])
+    assert (with_h0 - from_zero - M @ x["initial_state"]).abs().max() < 1e-12
+    short = torch.tensor([0, 86, 87, 151])                      # each sequence one chunk shorter
+    M_short = ref.sequence_transition(x["k"][:, :151], x["g"][:, :151], x["beta"][:, :151], short)
+    assert (with_h0 - from_zero - M_short @ x["initial_state"]).abs().max() > 1e-3
+
+
+# ---- bad contexts and calls
+
+def test_build_errors_are_named():
+    cu = torch.tensor([0, 100, 300])
+    for kwargs, message in [
+        (dict(layout="ring"), "`layout` must be 'contiguous' or 'zigzag'; got 'ring'"),
+        (dict(cu_seqlens_cpu=torch.tensor([0, 300])), "`cu_seqlens_cpu` must be an int32 or int64 CPU tensor"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cp.build_cp_context(cu, **kwargs)
+    for bad, message in [(cu.float(), "`cu_seqlens` must be an int32 or int64 tensor"),
+                         (torch.tensor([0, 200, 100]), "`cu_seqlens` must be non-decreasing"),
+                         (torch.tensor([0]), "`cu_seqlens` must be 1-D with at least 2 entries"),
+                         (torch.tensor([0, 0]), "`cu_seqlens` must be ending at a positive multiple of 1")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cp.build_cp_context(bad)
+    with pytest.raises(ValueError, match=re.escape("`cu_seqlens` must be ending at a positive multiple of 2 "
+                                                   "tokens (the zigzag layout")):
+        cp.build_cp_context(torch.tensor([0, 301]), layout="zigzag")
+    with pytest.raises(ValueError, match=re.escape("`group` must be None unless torch.distributed is "
+                                                   "initialized")):
+        cp.build_cp_context(cu, object())
+
+
+def test_call_errors_are_named():
+    x, _, _ = _problem((40, 200, 60))
+    ctx = cp.build_cp_context(x["cu_seqlens"])
+    plain = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    for change, message in [
+        (dict(cp_context=object()), "`cp_context` must be None or a context from flashqla.cp.build_cp_context"),
+        (dict(cu_seqlens=x["cu_seqlens"].clone()), "`cu_seqlens` must be None or cp_context.cu_seqlens"),
+        (dict(initial_state=x["initial_state"][:2]), "`initial_state` must be (3, 4, 8, 8) with cp_context"),
+        ({n: t[:, :150] for n, t in plain.items()}, "`q` must be this rank's shard [1, 300, H, K]"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            api(**{**plain, "cp_context": ctx, **change})
+    api(**plain, cp_context=ctx, cu_seqlens=ctx.cu_seqlens, cu_seqlens_cpu=ctx.cu_seqlens_cpu)
+
+
+def test_backend_kernels_raises_and_auto_warns(monkeypatch):
+    x, _, _ = _problem((60,))
+    plain = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    ctx = cp.build_cp_context(x["cu_seqlens"])
+    monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
+    with pytest.raises(RuntimeError, match=re.escape("cannot run this call: cp_context (context "
+                                                     "parallelism across ranks) runs on the reference only")):
+        api(**plain, cp_context=ctx)
+    monkeypatch.setenv("FLASHQLA_BACKEND", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api(**plain, cp_context=ctx)
