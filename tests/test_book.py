@@ -23,7 +23,7 @@ def test_book_builds(tmp_path, execute_chapter):
                             "-D", "nb_execution_mode=off", str(src), str(out)],
                            capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stdout[-5000:] + built.stderr[-5000:]
-    for page in ("index", "intro", "notation", "checking", "results", "nsight_labs", "lab_log",
+    for page in ("index", "intro", "notation", "checking", "results", "nsight_labs", "lab_log", "cp",
                  *(f"notebooks/{p.stem}" for p in CHAPTERS)):
         assert (out / f"{page}.html").exists(), page
     chapter = (out / "notebooks/02_chunked_form.html").read_text()

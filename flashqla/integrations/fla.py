@@ -46,7 +46,7 @@ def verify(*args, **kwargs) -> tuple[bool, str | None]:
     if unknown:
         return False, f"flashqla does not take the keyword {unknown[0]!r}"
     if call.get("cp_context") is not None:
-        return False, "flashqla does not run cp_context (context parallelism across GPUs)"
+        return False, "flashqla does not run FLA's cp_context (flashqla.cp builds its own)"
     if extra.get("chunk_size", api.CHUNK_SIZE) != api.CHUNK_SIZE:
         return False, f"flashqla runs chunk_size {api.CHUNK_SIZE} only"
     if extra.get("use_gate_in_kernel") and extra.get("A_log") is None:
