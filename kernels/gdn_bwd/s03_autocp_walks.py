@@ -60,12 +60,23 @@ against ~3 us a walk step: s01's chunk_h 1.53 ms and dhu 1.61 ms for 512 chunks 
 (4, 16) and (16, 16) (L 32), 28672 + 4096 of those three (L 32), and nothing with 24 value heads
 or more, nor 8 x 4096 (the walk fills the SMs there).
 
-Expected effect (until measured): on (2, 8) 1 x 32768 the walks drop from 512 chunk steps to
-about 250 (L 32, 16 segments, four waves of 128 CTAs of 32 chunks, plus the warm-ups and
-chains); (4, 16) and (16, 16) 1 x 32768 from 512 to about 380 (L 32); many-head problems
-unchanged (no split).
+Measured effect (H100, one run, FLA and FlashQLA timed beside it, training step = the library's
+forward + this backward, CUDA graph replay; ``profiles/results/gdn_train_s03.csv``, commit
+a502c0e): the split problems got faster, the unsplit one did not move, and every one is still
+behind FlashQLA, whose backward is one fused reverse kernel (stage s04 is that idea).
 
-Taught in: not yet (a lab-log stage until it is measured; BACKWARD.md 5, s03_autocp_walks).
+    problem          s02 ms  s03 ms  s03 / s02  FlashQLA ms  s03 vs FlashQLA  s03 vs FLA
+    (2, 8) 1x8192     0.923   0.637    1.45x       0.426         0.67x          1.51x
+    (2, 8) 1x32768    3.378   1.895    1.78x       1.109         0.59x          2.00x
+    (4, 16) 1x8192    1.195   1.191    1.00x       0.608         0.51x   (no split) 1.11x
+    (4, 16) 1x32768   4.379   3.500    1.25x       1.931         0.55x          1.51x
+
+Napkin math, (2, 8) 1x32768: 77 TFLOP/s of useful training-step work (9.7 % of the 797 TFLOP/s
+measured bf16 roof) and 180 GB/s of compulsory bytes (6.1 % of the copy roof): latency-bound
+chains and HBM round trips, not a roof. The split cut the walks as planned; what is left is s02's
+five launches and their ~470 KiB of HBM traffic per (chunk, value head) (BACKWARD.md 4).
+
+Taught in: the lab log (backward AutoCP; BACKWARD.md 5, s03_autocp_walks).
 """
 
 import functools
