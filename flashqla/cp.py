@@ -64,13 +64,15 @@ rank's shard, [1, L x held slots, ...].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashqla import checks, reference
+from flashqla import checks
 from flashqla.nvtx import nvtx_range
+from flashqla.varlen import remember_bounds
 
 LAYOUTS = ("contiguous", "zigzag")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -109,7 +111,11 @@ class CPContext:
 
     ``cu_seqlens`` and ``cu_seqlens_cpu`` are the local bounds (FLA's): the pieces of the held
     slots, back to back; ``pieces`` the same with their global sequences; ``empty`` the global
-    indices of the empty sequences this rank owns."""
+    indices of the empty sequences this rank owns. Built once on ``cu_seqlens``'s device, so a call
+    copies nothing from the host: ``kernel_cu_seqlens`` (the local bounds in int32, the kernels'
+    dtype; ``local_bounds`` their host values) and ``index``, int64 row lists: ``first_pieces`` /
+    ``first_seqs`` (the pieces where a sequence starts, and those sequences), ``last_pieces`` /
+    ``last_seqs`` (where one ends), ``empty``."""
 
     group: object
     world_size: int
@@ -122,18 +128,14 @@ class CPContext:
     empty: tuple[int, ...]
     cu_seqlens: Tensor
     cu_seqlens_cpu: Tensor
+    kernel_cu_seqlens: Tensor
+    local_bounds: list[int]
+    index: dict[str, Tensor]
 
     @property
     def num_tokens(self) -> int:
         """Tokens of the local shard."""
         return self.part_len * len(self.slots)
-
-    def rows(self, end: str) -> tuple[list[int], list[int]]:
-        """(local piece indices, their global sequences) of the pieces where their sequence
-        starts (``end`` "first") or ends ("last")."""
-        rows = [(p, piece.seq) for p, piece in enumerate(self.pieces)
-                if not (piece.incoming if end == "first" else piece.outgoing)]
-        return [p for p, _ in rows], [n for _, n in rows]
 
     def place(self, slot: int) -> tuple[int, int]:
         """(rank, index among its held slots) of ``slot``."""
@@ -207,8 +209,16 @@ def build_cp_context(cu_seqlens: Tensor, group=None, *, cu_seqlens_cpu: Tensor |
     empty = tuple(n for n in range(len(bounds) - 1)
                   if bounds[n] == bounds[n + 1] and min(bounds[n] // L, num_slots - 1) in slots)
     cu_cpu = torch.tensor(local, dtype=cu_seqlens.dtype)
+    cu_dev = cu_cpu.to(cu_seqlens.device)
+    rows = {}
+    for end, skip in (("first", "incoming"), ("last", "outgoing")):
+        kept = [(p, piece.seq) for p, piece in enumerate(pieces) if not getattr(piece, skip)]
+        rows[f"{end}_pieces"], rows[f"{end}_seqs"] = [p for p, _ in kept], [n for _, n in kept]
+    rows["empty"] = list(empty)
+    index = {name: torch.tensor(r, dtype=torch.int64).to(cu_seqlens.device) for name, r in rows.items()}
     return CPContext(group, world, rank, layout, L, len(bounds) - 1, slots, tuple(pieces), empty,
-                     cu_cpu.to(cu_seqlens.device), cu_cpu)
+                     cu_dev, cu_cpu, cu_dev if cu_dev.dtype == torch.int32 else cu_dev.to(torch.int32),
+                     local, index)
 
 
 def check_context(ctx, cu_seqlens, cu_seqlens_cpu) -> None:
@@ -272,127 +282,163 @@ def _all_gather(x: Tensor, ctx: CPContext) -> Tensor:
     """[held slots, ...] from every rank -> [world size, held slots, ...]."""
     if ctx.world_size == 1:
         return x[None]
-    out = [torch.empty_like(x) for _ in range(ctx.world_size)]
-    dist.all_gather(out, x.contiguous(), group=ctx.group)
-    return torch.stack(out)
+    out = x.new_empty(ctx.world_size * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=ctx.group)
+    return out.view(ctx.world_size, *x.shape)
 
 
-def _pairs(got: Tensor, ctx: CPContext, slots, vd: int) -> list[tuple[Tensor, Tensor]]:
-    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots``."""
-    return [(got[ctx.place(s)][..., :vd], got[ctx.place(s)][..., vd:]) for s in slots]
+def _pairs(z: Tensor, m: Tensor, ctx: CPContext, slots) -> list[tuple[Tensor, Tensor]]:
+    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots`` from [world size, held slots, ...]."""
+    return [(z[ctx.place(s)], m[ctx.place(s)]) for s in slots]
 
 
-def _boundary(x, piece, h0, vd, backward_of=None):
-    """One exchanged row for ``piece`` [HV, K, V + K]: its Z (forward) or, with ``backward_of`` =
-    (do, dht_local row), its dZ, and its M when it spans its slot (zeros: no slot reads it)."""
-    sl = slice(piece.start, piece.end)
-    q, k, v, g, beta = (t[:, sl] for t in x[:5])
-    scale = x[5]
-    if backward_of is None:     # Z: the piece's final state from h0
-        _, z = reference.chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True)
-    else:                       # dZ: the gradient of the state entering the piece (its dh0)
-        do, dht = backward_of
-        z = reference.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do[:, sl], dht, scale, h0)[5]
-    m = (reference.sequence_transition(k, g, beta)[0] if piece.spanning
-         else z.new_zeros(*z.shape[1:3], z.shape[2]))
-    return torch.cat([z[0], m], -1)
+def _copy_rows(dst: Tensor, dst_rows: Tensor, src: Tensor, src_rows: Tensor) -> None:
+    """dst[dst_rows] = src[src_rows] with the context's device index tensors: one copy, no host sync."""
+    if dst_rows.numel():
+        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
 
 
-def _copy_rows(dst: Tensor, dst_rows: list[int], src: Tensor, src_rows: list[int]) -> None:
-    """dst[dst_rows] = src[src_rows] for host row lists: one copy, not one per row."""
-    if dst_rows:
-        dst[torch.tensor(dst_rows, device=dst.device)] = src[torch.tensor(src_rows, device=src.device)]
+@dataclass(frozen=True)
+class LocalPasses:
+    """The two functions every local pass calls, the only difference between the kernel path and
+    the reference path (the api's ``_kernel_forward`` / ``_reference`` and their backwards):
+
+    forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens) -> (o, final state)
+    backward(q, k, v, g, beta, do, dht, scale, h0, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)
+
+    ``host_bounds``: they take the local bounds as the host tensor (the reference) or as the
+    context's int32 device tensor (the kernels)."""
+
+    forward: Callable
+    backward: Callable
+    host_bounds: bool
 
 
-def _forward(x, initial_state, ctx):
-    """x = (q, k, v, g, beta, scale) in the work dtype, initial_state [N, HV, K, V] or None ->
-    (o, final state [N, HV, K, V] with this rank's rows, the true initial state of every piece)."""
-    q, v = x[0], x[2]
+def local_passes(q: Tensor, v: Tensor) -> LocalPasses:
+    """The kernels where they run this call (``api.use_kernels``: FLASHQLA_BACKEND and
+    ``kernel_unsupported``), else the reference in float32 (float64 for float64 inputs)."""
+    from flashqla import api
+    if api.use_kernels(q, v):
+        return LocalPasses(api._kernel_forward, api._kernel_backward, host_bounds=False)
+    return LocalPasses(api._reference, api._reference_backward, host_bounds=True)
+
+
+def _bounds(ctx: CPContext, passes: LocalPasses) -> Tensor:
+    """The local cu_seqlens the passes take (the kernels' host reads find the context's values)."""
+    if passes.host_bounds:
+        return ctx.cu_seqlens_cpu
+    remember_bounds(ctx.kernel_cu_seqlens, ctx.local_bounds)
+    return ctx.kernel_cu_seqlens
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _forward(x, initial_state, ctx, passes):
+    """x = (q, k, v, g, beta, scale), initial_state [N, HV, K, V] in the state dtype or None ->
+    (o, final state [N, HV, K, V] with this rank's rows, each piece's true initial state, the
+    gathered (Z, M) [world size, held slots, HV, K, V + K])."""
+    q, k, v, g, beta, scale = x
     hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    h0 = q.new_zeros(len(ctx.pieces), hv, kd, vd)     # each piece's initial state
+    state = dict(dtype=_state_dtype(q), device=q.device)
+    cu = _bounds(ctx, passes)
+    h0 = torch.zeros(len(ctx.pieces), hv, kd, vd, **state)     # each piece's initial state
     if initial_state is not None:
-        pieces, seqs = ctx.rows("first")
-        _copy_rows(h0, pieces, initial_state, seqs)
+        _copy_rows(h0, ctx.index["first_pieces"], initial_state, ctx.index["first_seqs"])
+    o = None
+    if not any(piece.incoming for piece in ctx.pieces):  # every initial state known: the local
+        with nvtx_range("cp.fwd.local"):                 # pass comes first and gives the Z
+            o, ht = passes.forward(*x, h0, True, cu)
     with nvtx_range("cp.fwd.boundary"):
-        send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
+        send = torch.zeros(len(ctx.slots), hv, kd, vd + kd, **state)
         for p, piece in enumerate(ctx.pieces):
-            if piece.outgoing:
-                send[ctx.slots.index(piece.slot)] = _boundary(x, piece, h0[p:p + 1], vd)
+            if not piece.outgoing:
+                continue
+            i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
+            xs = [t[:, sl] for t in (q, k, v, g, beta)]
+            # Z: the piece's final state from its initial state (zero when it continues a sequence)
+            send[i, ..., :vd] = ht[p] if o is not None else passes.forward(*xs, scale, h0[p:p + 1], True, None)[1][0]
+            if piece.spanning:  # M: the final state with v = 0 from h0 = I, a K x K "state"
+                eye = torch.eye(kd, **state).expand(1, hv, kd, kd)
+                xs[2] = v.new_zeros(1, piece.end - piece.start, hv, kd)
+                send[i, ..., vd:] = passes.forward(*xs, scale, eye, True, None)[1][0]
     with nvtx_range("cp.fwd.exchange"):
         got = _all_gather(send, ctx)
-    for p, piece in enumerate(ctx.pieces):
-        if piece.incoming:
-            h0[p] = fold_states(_pairs(got, ctx, range(piece.first_slot, piece.slot), vd))
-    with nvtx_range("cp.fwd.local"):
-        o, ht = reference.chunk_gated_delta_rule_ref(*x, h0, True, ctx.cu_seqlens_cpu)
-    final = q.new_zeros(ctx.num_seqs, hv, kd, vd)
-    pieces, seqs = ctx.rows("last")
-    _copy_rows(final, seqs, ht, pieces)
-    if initial_state is not None:                     # an empty sequence's final state is its initial one
-        _copy_rows(final, list(ctx.empty), initial_state, list(ctx.empty))
-    return o, final, h0
-
-
-def _backward(x, h0, do, dht, ctx, want_dh0: bool):
-    """The gradients of <do, o> + <dht, final state> (dht with this rank's rows): dq, dk, dv, dg,
-    dbeta of the shard and dh0 [N, HV, K, V] with the rows of the sequences starting here."""
-    q, v = x[0], x[2]
-    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
-    pieces, seqs = ctx.rows("last")
-    _copy_rows(dht_local, pieces, dht, seqs)
-    with nvtx_range("cp.bwd.boundary"):
-        send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
+    if o is None:
         for p, piece in enumerate(ctx.pieces):
             if piece.incoming:
-                send[ctx.slots.index(piece.slot)] = _boundary(
-                    x, piece, h0[p:p + 1], vd, backward_of=(do, dht_local[p:p + 1]))
+                h0[p] = fold_states(_pairs(got[..., :vd], got[..., vd:], ctx,
+                                           range(piece.first_slot, piece.slot)))
+        with nvtx_range("cp.fwd.local"):
+            o, ht = passes.forward(*x, h0, True, cu)
+    final = torch.zeros(ctx.num_seqs, hv, kd, vd, **state)
+    _copy_rows(final, ctx.index["last_seqs"], ht, ctx.index["last_pieces"])
+    if initial_state is not None:                     # an empty sequence's final state is its initial one
+        _copy_rows(final, ctx.index["empty"], initial_state, ctx.index["empty"])
+    return o, final, h0, got
+
+
+def _backward(x, h0, got, do, dht, ctx, passes, want_dh0: bool):
+    """The gradients of <do, o> + <dht, final state> (dht with this rank's rows), from the
+    forward's h0 and gathered (Z, M): dq, dk, dv, dg, dbeta of the shard and dh0 [N, HV, K, V]
+    with the rows of the sequences starting here."""
+    q, k, v, g, beta, scale = x
+    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
+    cu = _bounds(ctx, passes)
+    dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
+    _copy_rows(dht_local, ctx.index["last_pieces"], dht, ctx.index["last_seqs"])
+    grads = None
+    if not any(piece.outgoing for piece in ctx.pieces):  # every final gradient known: the local
+        with nvtx_range("cp.bwd.local"):                 # pass comes first and gives the dZ
+            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
+    with nvtx_range("cp.bwd.boundary"):
+        send = torch.zeros(len(ctx.slots), hv, kd, vd, dtype=h0.dtype, device=h0.device)
+        for p, piece in enumerate(ctx.pieces):
+            if not piece.incoming:
+                continue
+            sl = slice(piece.start, piece.end)
+            # dZ: the gradient of the state entering the piece (its dh0) from its own do and dht
+            send[ctx.slots.index(piece.slot)] = grads[5][p] if grads is not None else passes.backward(
+                *(t[:, sl] for t in (q, k, v, g, beta, do)), dht_local[p:p + 1], scale, h0[p:p + 1], None)[5][0]
     with nvtx_range("cp.bwd.exchange"):
-        got = _all_gather(send, ctx)
-    for p, piece in enumerate(ctx.pieces):
-        if piece.outgoing:
-            later = range(piece.slot + 1, piece.last_slot + 1)
-            dht_local[p] = fold_state_grads(_pairs(got, ctx, later, vd))
-    with nvtx_range("cp.bwd.local"):
-        *grads, dh0_local = reference.chunk_gated_delta_rule_bwd_ref(
-            *x[:5], do, dht_local, x[5], h0, ctx.cu_seqlens_cpu)
+        got_dz = _all_gather(send, ctx)
+    if grads is None:
+        for p, piece in enumerate(ctx.pieces):
+            if piece.outgoing:
+                dht_local[p] = fold_state_grads(_pairs(got_dz, got[..., vd:], ctx,
+                                                       range(piece.slot + 1, piece.last_slot + 1)))
+        with nvtx_range("cp.bwd.local"):
+            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
+    *grads, dh0_local = grads
     if not want_dh0:
         return (*grads, None)
     dh0 = torch.zeros_like(dht)
-    pieces, seqs = ctx.rows("first")
-    _copy_rows(dh0, seqs, dh0_local, pieces)
-    _copy_rows(dh0, list(ctx.empty), dht, list(ctx.empty))
+    _copy_rows(dh0, ctx.index["first_seqs"], dh0_local, ctx.index["first_pieces"])
+    _copy_rows(dh0, ctx.index["empty"], dht, ctx.index["empty"])
     return (*grads, dh0)
 
 
-def _work(q, k, v, g, beta, scale, initial_state):
-    """(x = (q, k, v, g, beta, scale), initial_state) in the work dtype: float64 for float64 q,
-    float32 otherwise (the api's reference path)."""
-    wd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    x = (*(t.to(wd) for t in (q, k, v, g, beta)), scale)
-    return x, None if initial_state is None else initial_state.to(wd)
-
-
 class _Function(torch.autograd.Function):
-    """Forward and backward each with one all_gather; saves the inputs and the pieces' true
-    initial states (the backward recomputes the rest)."""
+    """Forward and backward each with one all_gather; saves the inputs, the pieces' true initial
+    states and the gathered (Z, M) (the backward reads M and recomputes the rest)."""
 
     @staticmethod
-    def forward(autograd_ctx, q, k, v, g, beta, initial_state, scale, ctx):
-        o, final, h0 = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
-        autograd_ctx.save_for_backward(q, k, v, g, beta, h0)
-        autograd_ctx.scale, autograd_ctx.cp, autograd_ctx.h0_dtype = scale, ctx, \
-            None if initial_state is None else initial_state.dtype
+    def forward(autograd_ctx, q, k, v, g, beta, initial_state, scale, ctx, passes):
+        o, final, h0, got = _forward((q, k, v, g, beta, scale), initial_state, ctx, passes)
+        autograd_ctx.save_for_backward(q, k, v, g, beta, h0, got)
+        autograd_ctx.scale, autograd_ctx.cp, autograd_ctx.passes = scale, ctx, passes
+        autograd_ctx.h0_dtype = None if initial_state is None else initial_state.dtype
         return o.to(v.dtype), final
 
     @staticmethod
     def backward(autograd_ctx, do, dht):
-        q, k, v, g, beta, h0 = autograd_ctx.saved_tensors
-        x, _ = _work(q, k, v, g, beta, autograd_ctx.scale, None)
-        *grads, dh0 = _backward(x, h0, do.to(h0.dtype), dht.to(h0.dtype), autograd_ctx.cp,
+        q, k, v, g, beta, h0, got = autograd_ctx.saved_tensors
+        x = (q, k, v, g, beta, autograd_ctx.scale)
+        *grads, dh0 = _backward(x, h0, got, do, dht.to(h0.dtype), autograd_ctx.cp, autograd_ctx.passes,
                                 autograd_ctx.h0_dtype is not None)
         grads = (d.to(t.dtype) for d, t in zip(grads, (q, k, v, g, beta)))
-        return (*grads, None if dh0 is None else dh0.to(autograd_ctx.h0_dtype), None, None)
+        return (*grads, None if dh0 is None else dh0.to(autograd_ctx.h0_dtype), None, None, None)
 
 
 @torch.compiler.disable
@@ -400,8 +446,9 @@ def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: float, initial_state, ctx
     """The checked, preprocessed call of ``chunk_gated_delta_rule(..., cp_context=ctx)`` (the api
     does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in the work
     dtype with this rank's rows). Under torch.compile it runs eagerly (a graph break)."""
+    passes = local_passes(q, v)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, g, beta, initial_state)):
-        return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx)
-    o, final, _ = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
+        return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx, passes)
+    o, final, _, _ = _forward((q, k, v, g, beta, scale), initial_state, ctx, passes)
     return o.to(v.dtype), final
