@@ -897,8 +897,8 @@ def _compile_cp_kernels(problems) -> None:
                      *((fwd, fwd.gate_free_solve_kernel, H, HV, R, wy) for wy in (False, True))]
         jobs += [(fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.windows_kernel, HV),
                  (fwd, fwd.warmup_kernel, H, HV), (fwd, fwd.chain_kernel, HV),
-                 *((fwd, b, H, HV, 128, 128, bv) for b in (fwd.fused_reform_kernel, fwd.fused_state_value_kernel,
-                                                          fwd.fused_state_in_registers_kernel)
+                 *((fwd, b, H, HV, 128, 128, bv)
+                   for b in (fwd.fused_reform_kernel, fwd.fused_state_value_kernel, fwd.fused_state_in_registers_kernel)
                    for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V, fwd.NARROWEST_BLOCK_V)),
                  (bwd, bwd.walk_kernel, H, HV, bwd.BV),
                  *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
@@ -924,7 +924,8 @@ def cp_rows(commit: str, labels=None) -> list[dict]:
     labels = labels or [short_label(p.label) for p in CP_PROBLEMS]
     problems = [p for p in CP_PROBLEMS if short_label(p.label) in labels]
     if not problems:
-        raise ValueError(f"bench: `problems` {labels} select none of {[short_label(p.label) for p in CP_PROBLEMS]}")
+        raise ValueError(f"bench: `problems` {labels} select none of "
+                         f"{[short_label(p.label) for p in CP_PROBLEMS]}")
     _compile_cp_kernels(problems)
     tflops_roof, _ = roofs()
     torch.cuda.empty_cache()  # this process's memory on GPU 0 back to rank 0
@@ -940,7 +941,8 @@ def cp_rows(commit: str, labels=None) -> list[dict]:
                 mp.start_processes(_cp_worker, args=(world, port, labels, out), nprocs=world, join=True,
                                    start_method="spawn")
             except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
-                print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
+                      flush=True)
             if os.path.exists(out):
                 with open(out) as f:
                     rows += [json.loads(line) for line in f]
@@ -950,7 +952,8 @@ def cp_rows(commit: str, labels=None) -> list[dict]:
             continue
         p = next(p for p in problems if p.label == r["problem"])
         flops = (useful_flops if r["step"] == "forward" else train_flops)(p)
-        one, fla = ms.get((r["problem"], r["impl"], r["step"], 1)), ms.get((r["problem"], "FLA", r["step"], r["world_size"]))
+        one = ms.get((r["problem"], r["impl"], r["step"], 1))
+        fla = ms.get((r["problem"], "FLA", r["step"], r["world_size"]))
         exchange = r.get("exchange_ms", "")
         r.update(vs_fla=round(fla / r["ms"], 2) if fla else "",
                  efficiency=round(one / (r["world_size"] * r["ms"]), 3) if one else "",

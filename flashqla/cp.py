@@ -8,7 +8,8 @@ Build a context once per ``cu_seqlens`` (FLA 0.6.0's ``fla.ops.cp.build_cp_conte
 
 The math. A sequence's recurrence over any span of its tokens is affine in the state entering it:
 the state leaving the span is M h + Z, with M (K x K per value head) the product over the span's
-tokens of exp(g_t) (I - beta_t k_t k_t^T) (``reference.sequence_transition``) and Z the state
+tokens of exp(g_t) (I - beta_t k_t k_t^T) (``reference.sequence_transition``; equally the state
+leaving the span from h = I with v = 0) and Z the state
 leaving it from h = 0. Cut the T packed tokens into P equal slots (P = world size, or 2 x world
 size zigzag). A sequence over slots s0 < ... < s1 has a piece in each; with Z_s the state leaving
 its piece of slot s from zero (from the sequence's initial state on s0) and M_s that piece's
@@ -27,24 +28,36 @@ slots a sequence fills end to end (s0 < s < s1, "spanning") need M: Z_{s0} start
 dZ_{s1} the reverse one.
 
 Per call and rank, forward: (1) the boundary pass: for the last piece of each held slot whose
-sequence goes on to a later slot, its Z and, when it spans its slot, its M; (2) one all_gather
-of those (Z, M) pairs; (3) the scan for the first piece of each held slot that continues a
-sequence; (4) the local forward from the true initial states. The backward mirrors it: dZ of
-each continuing first piece, an all_gather, the reverse scan, the local backward. The scans run
-in slot order, the same on every rank, so no result depends on timing; in float64 every output
-and gradient matched a single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and
-4 gloo ranks). Exchanged per direction and rank: held slots x HV x K x (V + K) numbers in one
-all_gather, 8.4 MB a slot at (HV, K, V) = (64, 128, 128) in float32.
+sequence goes on to a later slot, its Z (a forward over that piece alone from its initial state)
+and, when it spans its slot, its M (the same forward with v = 0 from h0 = I: the state is then
+M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan for the first
+piece of each held slot that continues a sequence; (4) the local forward over the shard (its
+pieces as varlen sequences) from the true initial states. A shard that continues no sequence
+(contiguous rank 0, say) knows every initial state at once: it runs (4) first and takes its Z
+from (4)'s final states, so it makes no separate boundary call. The backward mirrors it with
+the forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing
+first piece (the dh0 of a backward over that piece alone with its own do and dht), an
+all_gather, the reverse scan, the local backward with per-piece dht; a shard whose pieces all
+end their sequences (contiguous last rank) runs the local backward first and takes dZ from its
+dh0. The scans run in slot order, the same on every rank, in float32 (float64 for float64
+inputs), so no result depends on timing; in float64 every output and gradient matched a
+single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and 4 gloo ranks).
+Exchanged per rank: held slots x HV x K x (V + K) numbers forward, HV x K x V backward, one
+all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in float32).
 
-What runs. Every local pass is the chunked PyTorch reference in float32 (float64 for float64
-inputs) on the inputs' device, on any world size (1 included), over gloo or NCCL; the kernels do
-not run context parallelism (``FLASHQLA_BACKEND=kernels`` raises, auto warns once). The call
-copies nothing from the device to the host: the context holds the bounds. Under torch.compile
-the call runs eagerly (a graph break). A warm-up variant (AutoCP's idea across ranks) would
-replace the scan, for heads whose log decay over the tail of the previous slot reaches a
-threshold, by that tail run from zero (wrong by at most exp(threshold) times the state's norm
-where the tail starts): those heads would need no M and no chain through more than one slot,
-and g = 0 heads would keep the exact scan.
+What runs. The local passes (the boundary ones included) are the only switch between the two
+paths, ``LocalPasses``: on an SM90 GPU with bf16 q, k, v and K = V = 128 (``api.use_kernels``,
+FLASHQLA_BACKEND read at every call) they are the promoted kernels, ``flashqla.fwd.forward``
+(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``; otherwise the chunked
+PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device. Either runs on
+any world size (1 included), over gloo or NCCL. The call copies nothing between host and device:
+the context holds the bounds on the host and its index tensors and the kernels' int32 bounds on
+the device, built once. Under torch.compile the call runs eagerly (a graph break).
+
+A warm-up variant (AutoCP's idea across ranks) would replace the scan, for heads whose log decay
+over the tail of the previous slot reaches a threshold, by that tail run from zero (wrong by at
+most exp(threshold) times the state's norm where the tail starts): those heads would need no M
+and no chain through more than one slot, and g = 0 heads would keep the exact scan.
 
 Layouts (FLA's). ``contiguous``: rank r holds slot r, tokens [r L, (r + 1) L), L = T / world
 size. ``zigzag``: rank r holds slots r and 2 W - 1 - r, L = T / (2 W), concatenated [front;
@@ -358,7 +371,8 @@ def _forward(x, initial_state, ctx, passes):
             i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
             xs = [t[:, sl] for t in (q, k, v, g, beta)]
             # Z: the piece's final state from its initial state (zero when it continues a sequence)
-            send[i, ..., :vd] = ht[p] if o is not None else passes.forward(*xs, scale, h0[p:p + 1], True, None)[1][0]
+            send[i, ..., :vd] = (ht[p] if o is not None
+                                 else passes.forward(*xs, scale, h0[p:p + 1], True, None)[1][0])
             if piece.spanning:  # M: the final state with v = 0 from h0 = I, a K x K "state"
                 eye = torch.eye(kd, **state).expand(1, hv, kd, kd)
                 xs[2] = v.new_zeros(1, piece.end - piece.start, hv, kd)
@@ -444,8 +458,9 @@ class _Function(torch.autograd.Function):
 @torch.compiler.disable
 def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: float, initial_state, ctx: CPContext):
     """The checked, preprocessed call of ``chunk_gated_delta_rule(..., cp_context=ctx)`` (the api
-    does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in the work
-    dtype with this rank's rows). Under torch.compile it runs eagerly (a graph break)."""
+    does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in float32
+    (float64 for float64 q) with this rank's rows), on the kernels or the reference
+    (``local_passes``). Under torch.compile it runs eagerly (a graph break)."""
     passes = local_passes(q, v)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, g, beta, initial_state)):

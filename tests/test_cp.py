@@ -163,7 +163,8 @@ def _worker(rank, world, port, out):
                     if variant == "kernel path":  # every pass ran on them: the local ones (with bounds)
                         calls = set(KERNEL_CALLS)       # here, the boundary ones (one piece) on some rank
                         assert {("_reference", True), ("_reference_backward", True)} <= calls, calls
-                        some = torch.tensor([("_reference", False) in calls, ("_reference_backward", False) in calls])
+                        some = torch.tensor([(fn, False) in calls
+                                             for fn in ("_reference", "_reference_backward")])
                         dist.all_reduce(some, op=dist.ReduceOp.MAX)
                         assert some.all(), some
                 finally:
@@ -230,7 +231,8 @@ def _bf16_reference(x, do, dht):
     o, s = ref.chunk_gated_delta_rule_ref(b["q"], b["k"], b["v"], b["g"], b["beta"], None, b["initial_state"],
                                           True, x["cu_seqlens"])
     grads = ref.chunk_gated_delta_rule_bwd_ref(b["q"], b["k"], b["v"], b["g"], b["beta"], do,
-                                               dht.to(torch.bfloat16), None, b["initial_state"], x["cu_seqlens"])
+                                               dht.to(torch.bfloat16), None, b["initial_state"],
+                                               x["cu_seqlens"])
     return (o, s, *grads)
 
 
@@ -337,7 +339,7 @@ def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
         label = f"{world} ranks, {layout}, {lengths}"
         print(label, json.dumps(errs))
         assert errs.pop("bitwise"), f"{label}: two runs differ"
-        bad = {n: e for n, e in errs.items() if not (e["vs_f64"] <= e["bound"] and e["vs_library"] <= e["bound"])}
+        bad = {n: e for n, e in errs.items() if max(e["vs_f64"], e["vs_library"]) > e["bound"]}
         assert not bad, (label, bad)
 
 
