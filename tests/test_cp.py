@@ -326,12 +326,11 @@ def warm_kernels():
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < w, reason=f"needs {w} GPUs")) for w in (2, 4)])
 def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
     """The kernels over NCCL: outputs, final states and every gradient within check_op's bound of
     the float64 reference and of the single-GPU library, bitwise the same run to run."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     out = tmp_path / "errors.json"
     mp.start_processes(_gpu_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
                        start_method="spawn")
