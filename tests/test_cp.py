@@ -239,7 +239,9 @@ def _bf16_reference(x, do, dht):
 def _gpu_errors(lengths, layout, device):
     """Per quantity: rel L2 (global, over every rank's shard) of cp against the float64 reference
     and against the single-GPU library, the library's against float64, check_op's bound
-    2 max(err_bf16, 2^-9), and whether two cp runs gave the same bits."""
+    2 max(err_bf16, 2^-9), whether two cp runs gave the same bits, and the host synchronizations
+    that CUDA's sync debug mode saw in a third (warnings, not errors: a rank that raised alone would
+    leave the others in a collective)."""
     x, do, dht = _gpu_problem(lengths, device)
     cu = x["cu_seqlens"]
     ref64 = _run(cast_floats(x, F64), do.double(), dht.double(), cu_seqlens=cu)
@@ -249,6 +251,14 @@ def _gpu_errors(lengths, layout, device):
     runs = [list(_run(x, do, dht, idx, cp_context=ctx)) for _ in range(2)]
     same = torch.tensor([all(torch.equal(a, b) for a, b in zip(*runs))], device=device, dtype=torch.int32)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _run(x, do, dht, idx, cp_context=ctx)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:200] for w in seen if "synchroniz" in str(w.message)]
     got = runs[0]
     for i in (1, 7):                                              # final state, dh0: rows summed
         dist.all_reduce(got[i])
@@ -269,7 +279,7 @@ def _gpu_errors(lengths, layout, device):
                          vs_library=(sums[i][1][0] / sums[i][1][1]) ** 0.5,
                          library_vs_f64=rel_l2(lib[i], ref64[i]),
                          bound=TOLERANCE_FACTOR * max(base, ROUNDING_FLOOR))
-    out["bitwise"] = bool(same.item())
+    out["bitwise"], out["host_syncs"] = bool(same.item()), syncs
     return out
 
 
@@ -330,16 +340,19 @@ def warm_kernels():
     torch.cuda.device_count() < w, reason=f"needs {w} GPUs")) for w in (2, 4)])
 def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
     """The kernels over NCCL: outputs, final states and every gradient within check_op's bound of
-    the float64 reference and of the single-GPU library, bitwise the same run to run."""
+    the float64 reference and of the single-GPU library, bitwise the same run to run, and no host
+    synchronization in a call (rank 0's)."""
     out = tmp_path / "errors.json"
     mp.start_processes(_gpu_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
                        start_method="spawn")
     for (layout, lengths), errs in zip(GPU_CASES[world], json.loads(out.read_text())):
         label = f"{world} ranks, {layout}, {lengths}"
         print(label, json.dumps(errs))
-        assert errs.pop("bitwise"), f"{label}: two runs differ"
+        bitwise, syncs = errs.pop("bitwise"), errs.pop("host_syncs")
         bad = {n: e for n, e in errs.items() if max(e["vs_f64"], e["vs_library"]) > e["bound"]}
         assert not bad, (label, bad)
+        assert bitwise, f"{label}: two runs differ"
+        assert not syncs, (label, syncs)
 
 
 # ---- one rank, in process
