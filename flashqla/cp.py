@@ -301,14 +301,16 @@ def _all_gather(x: Tensor, ctx: CPContext) -> Tensor:
 
 
 def _pairs(z: Tensor, m: Tensor, ctx: CPContext, slots) -> list[tuple[Tensor, Tensor]]:
-    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots`` from [world size, held slots, ...]."""
+    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots``, from [world size, held
+    slots, ...] each."""
     return [(z[ctx.place(s)], m[ctx.place(s)]) for s in slots]
 
 
 def _copy_rows(dst: Tensor, dst_rows: Tensor, src: Tensor, src_rows: Tensor) -> None:
-    """dst[dst_rows] = src[src_rows] with the context's device index tensors: one copy, no host sync."""
+    """dst[dst_rows] = src[src_rows] with the context's index tensors (on cu_seqlens's device, so
+    ``.to`` moves nothing where that is the states' device): one copy, no host sync."""
     if dst_rows.numel():
-        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+        dst.index_copy_(0, dst_rows.to(dst.device), src.index_select(0, src_rows.to(src.device)))
 
 
 @dataclass(frozen=True)
@@ -411,10 +413,11 @@ def _backward(x, h0, got, do, dht, ctx, passes, want_dh0: bool):
         for p, piece in enumerate(ctx.pieces):
             if not piece.incoming:
                 continue
-            sl = slice(piece.start, piece.end)
+            i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
+            xs = [t[:, sl] for t in (q, k, v, g, beta, do)]
             # dZ: the gradient of the state entering the piece (its dh0) from its own do and dht
-            send[ctx.slots.index(piece.slot)] = grads[5][p] if grads is not None else passes.backward(
-                *(t[:, sl] for t in (q, k, v, g, beta, do)), dht_local[p:p + 1], scale, h0[p:p + 1], None)[5][0]
+            send[i] = (grads[5][p] if grads is not None
+                       else passes.backward(*xs, dht_local[p:p + 1], scale, h0[p:p + 1], None)[5][0])
     with nvtx_range("cp.bwd.exchange"):
         got_dz = _all_gather(send, ctx)
     if grads is None:
