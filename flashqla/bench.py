@@ -757,10 +757,13 @@ def main(commit: str, csv_path: Path | None, heads=None, mode: str = "gdn_fwd", 
 # untimed calls, then CP_REPEAT calls, each after a barrier, timed with CUDA events on every
 # rank; ``ms`` is the slowest rank's median. ``exchange_ms``: the time a call spends in
 # ``flashqla.cp``'s all_gathers (waiting for the other ranks included), the slowest rank's median;
-# FLA's rows have none. ``efficiency`` = t_1 / (n t_n), the same impl and step on one GPU. The
-# correctness of the path is tests/test_cp.py's (its gpu tests).
+# FLA's rows have none. ``efficiency`` = t_1 / (n t_n), the same impl and step on one GPU.
+# ``tflops``: the useful FLOPs (``useful_flops``, ``train_flops``) over ms, all GPUs together;
+# ``pct_gemm_roof`` of n GEMM roofs. The correctness of the path is tests/test_cp.py's (its gpu
+# tests). ``--problems`` runs fewer, e.g. '(2, 8) 1x131072'.
 
-CP_PROBLEMS = tuple(Problem(H, HV, (n,)) for H, HV in ((16, 64), (2, 8)) for n in (131072, 524288))
+# the largest last: a rank that runs out of memory alone ends its world size's run (the rows before stay)
+CP_PROBLEMS = tuple(Problem(H, HV, (n,)) for H, HV in ((2, 8), (16, 64)) for n in (131072, 524288))
 CP_STEPS = ("forward", "training")
 CP_REPEAT = 5
 CP_COLUMNS = ("problem", "impl", "step", "world_size", "ms", "vs_fla", "efficiency", "exchange_ms",
@@ -858,7 +861,7 @@ def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str) ->
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast off
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
+                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=180))
     cp._all_gather = _timed_all_gather(cp._all_gather)
     try:
         for p in CP_PROBLEMS:
@@ -912,15 +915,60 @@ def _compile_cp_kernels(problems) -> None:
     run_on_threads([functools.partial(compile_one, job) for job in jobs])
 
 
-def cp_rows(commit: str, labels=None) -> list[dict]:
-    """Every world size this host has (1, 2, 4), its ranks spawned; the rows with efficiency,
-    vs_fla, napkin math and provenance."""
+def _cp_world(world: int, labels: list[str]) -> list[dict]:
+    """The rows rank 0 of ``world`` spawned ranks wrote (those before a failure, if one stopped them)."""
     import json
     import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.jsonl")
+        try:
+            mp.start_processes(_cp_worker, args=(world, port, labels, out), nprocs=world, join=True,
+                               start_method="spawn")
+        except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
+            print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
+                  flush=True)
+        if not os.path.exists(out):
+            return []
+        with open(out) as f:
+            return [json.loads(line) for line in f]
+
+
+def _cp_napkin(rows: list[dict], tflops_roof: float) -> list[dict]:
+    """The rows with vs_fla (FLA's ms over this row's, same world size), efficiency (t_1 / (n t_n),
+    same impl), exchange_share, TFLOP/s over all GPUs and its % of n GEMM roofs."""
+    ms = {(r["problem"], r["impl"], r["step"], r["world_size"]): r["ms"] for r in rows}
+    out = []
+    for r in rows:
+        r = {**r}
+        if r["ms"] != "":
+            p = next(p for p in CP_PROBLEMS if p.label == r["problem"])
+            flops = (useful_flops if r["step"] == "forward" else train_flops)(p)
+            one = ms.get((r["problem"], r["impl"], r["step"], 1))
+            fla = ms.get((r["problem"], "FLA", r["step"], r["world_size"]))
+            exchange = r.get("exchange_ms", "")
+            r.update(vs_fla=round(fla / r["ms"], 2) if fla else "",
+                     efficiency=round(one / (r["world_size"] * r["ms"]), 3) if one else "",
+                     exchange_share=round(exchange / r["ms"], 3) if exchange != "" else "",
+                     tflops=round(flops / r["ms"] / 1e9, 1),
+                     pct_gemm_roof=round(100 * flops / r["ms"] / 1e9 / (r["world_size"] * tflops_roof), 1))
+        out.append(r)
+    return out
+
+
+def cp_main(commit: str, csv_path: Path | None = None, labels=None) -> int:
+    """``bench --mode cp``: world sizes 1, 2, 4 (those this host has), each as spawned ranks; the CSV
+    (``results/cp.csv`` or ``csv_path``) rewritten after each, so a run cut short keeps what it timed."""
+    if torch.cuda.device_count() < 1:
+        print("bench: needs a CUDA GPU")
+        return 1
+    csv_path = csv_path or RESULTS / "cp.csv"
     labels = labels or [short_label(p.label) for p in CP_PROBLEMS]
     problems = [p for p in CP_PROBLEMS if short_label(p.label) in labels]
     if not problems:
@@ -930,51 +978,16 @@ def cp_rows(commit: str, labels=None) -> list[dict]:
     tflops_roof, _ = roofs()
     torch.cuda.empty_cache()  # this process's memory on GPU 0 back to rank 0
     meta = dict(versions(commit), gemm_roof_tflops=round(tflops_roof))
-    rows = []
+    raw = []
     for world in [w for w in (1, 2, 4) if w <= torch.cuda.device_count()]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rows.jsonl")
-            try:
-                mp.start_processes(_cp_worker, args=(world, port, labels, out), nprocs=world, join=True,
-                                   start_method="spawn")
-            except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
-                print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
-                      flush=True)
-            if os.path.exists(out):
-                with open(out) as f:
-                    rows += [json.loads(line) for line in f]
-    ms = {(r["problem"], r["impl"], r["step"], r["world_size"]): r["ms"] for r in rows}
-    for r in rows:
-        if r["ms"] == "":
-            continue
-        p = next(p for p in problems if p.label == r["problem"])
-        flops = (useful_flops if r["step"] == "forward" else train_flops)(p)
-        one = ms.get((r["problem"], r["impl"], r["step"], 1))
-        fla = ms.get((r["problem"], "FLA", r["step"], r["world_size"]))
-        exchange = r.get("exchange_ms", "")
-        r.update(vs_fla=round(fla / r["ms"], 2) if fla else "",
-                 efficiency=round(one / (r["world_size"] * r["ms"]), 3) if one else "",
-                 exchange_share=round(exchange / r["ms"], 3) if exchange != "" else "",
-                 tflops=round(flops / r["ms"] / 1e9, 1),
-                 pct_gemm_roof=round(100 * flops / r["ms"] / 1e9 / (r["world_size"] * tflops_roof), 1))
-    return [{**{c: r.get(c, "") for c in CP_COLUMNS}, **meta} for r in rows]
-
-
-def cp_main(commit: str, csv_path: Path | None = None, labels=None) -> int:
-    """``bench --mode cp``: time, print, write ``results/cp.csv`` (or ``csv_path``)."""
-    if torch.cuda.device_count() < 1:
-        print("bench: needs a CUDA GPU")
-        return 1
-    csv_path = csv_path or RESULTS / "cp.csv"
-    rows = cp_rows(commit, labels)
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+        raw += _cp_world(world, labels)
+        rows = [{**{c: r.get(c, "") for c in CP_COLUMNS}, **meta} for r in _cp_napkin(raw, tflops_roof)]
+        if rows:
+            with open(csv_path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
     for r in rows:
         print(", ".join(f"{k}={r[k]}" for k in CP_COLUMNS))
     print(f"wrote {csv_path}")
-    return 1 if any(r["ms"] == "" and r["impl"] == API_ROW for r in rows) else 0
+    return 1 if not rows or any(r["ms"] == "" and r["impl"] == API_ROW for r in rows) else 0
