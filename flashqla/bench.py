@@ -743,3 +743,251 @@ def main(commit: str, csv_path: Path | None, heads=None, mode: str = "gdn_fwd", 
     rows = run_bench(commit, csv_path, problems, keep, m, row_names)
     print(f"wrote {csv_path}")
     return 1 if any(r["method"] == "FAILED its check" for r in rows) else 0
+
+
+# --- cp: context parallelism across the GPUs of this host, FLA's cp_context beside it ---
+#
+# ``python -m flashqla bench --mode cp`` spawns its own ranks (torch.multiprocessing, NCCL, a GPU
+# each) for world sizes 1, 2 and 4 (those the host has), one process group per world size, and
+# times on every problem a forward (no grad) and a training step (forward, then the gradients of
+# q, k, v, g, beta for a random do) of one long sequence in the contiguous layout: flashqla's
+# ``chunk_gated_delta_rule`` with ``flashqla.cp``'s context, and FLA's with ``fla.ops.cp``'s
+# (FLA_FLASH_QLA=0: FLA's own kernels). On one GPU both run their plain single-GPU call. FLA's
+# cp_context takes no initial state and returns no final state, so no row has either. Timing: two
+# untimed calls, then CP_REPEAT calls, each after a barrier, timed with CUDA events on every
+# rank; ``ms`` is the slowest rank's median. ``exchange_ms``: the time a call spends in
+# ``flashqla.cp``'s all_gathers (waiting for the other ranks included), the slowest rank's median;
+# FLA's rows have none. ``efficiency`` = t_1 / (n t_n), the same impl and step on one GPU.
+# ``tflops``: the useful FLOPs (``useful_flops``, ``train_flops``) over ms, all GPUs together;
+# ``pct_gemm_roof`` of n GEMM roofs. The correctness of the path is tests/test_cp.py's (its gpu
+# tests). ``--problems`` runs fewer, e.g. '(2, 8) 1x131072'.
+
+# the largest last: a rank that runs out of memory alone ends its world size's run (the rows before stay)
+CP_PROBLEMS = tuple(Problem(H, HV, (n,)) for H, HV in ((2, 8), (16, 64)) for n in (131072, 524288))
+CP_STEPS = ("forward", "training")
+CP_REPEAT = 5
+CP_COLUMNS = ("problem", "impl", "step", "world_size", "ms", "vs_fla", "efficiency", "exchange_ms",
+              "exchange_share", "tflops", "pct_gemm_roof", "method")
+_exchanges: list = []  # (start, end) CUDA events of each all_gather of flashqla.cp in a timed call
+
+
+def _timed_all_gather(all_gather):
+    """``flashqla.cp._all_gather`` between two CUDA events on the caller's stream."""
+    def run(x, ctx):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = all_gather(x, ctx)
+        end.record()
+        _exchanges.append((start, end))
+        return out
+    return run
+
+
+def _time_ranks(fn) -> tuple[float, float]:
+    """(ms, exchange ms) of ``fn()`` on every rank at once: the slowest rank's medians."""
+    import torch.distributed as dist
+
+    fn()
+    fn()
+    times, exchanges = [], []
+    for _ in range(CP_REPEAT):
+        dist.barrier()
+        torch.cuda.synchronize()
+        _exchanges.clear()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        exchanges.append(sum(a.elapsed_time(b) for a, b in _exchanges))
+    out = torch.tensor([statistics.median(times), statistics.median(exchanges)], device="cuda")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return tuple(out.tolist())
+
+
+def _cp_calls(p: Problem, rank: int, world: int) -> tuple[dict, dict, torch.Tensor]:
+    """({impl: fn(**inputs) -> o}, this rank's inputs, do): ``p``'s one sequence drawn alike on every
+    rank, this rank's slice of it, and the calls (the context built once)."""
+    import torch.distributed as dist
+    from fla.ops import cp as fla_cp
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+    from flashqla import cp
+    from flashqla.api import chunk_gated_delta_rule
+
+    x = p.inputs("cuda")
+    cu, T = x["cu_seqlens"], x["q"].shape[1]
+    shard = slice(rank * T // world, (rank + 1) * T // world)
+    inputs = {n: x[n][:, shard].contiguous() for n in ("q", "k", "v", "g", "beta")}
+    del x
+    torch.cuda.empty_cache()  # the global problem's memory back: the training step needs it
+    gen = torch.Generator("cuda").manual_seed(rank)
+    do = torch.randn(inputs["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
+    if world == 1:
+        calls = {API_ROW: lambda **kw: chunk_gated_delta_rule(**kw, cu_seqlens=cu)[0],
+                 "FLA": lambda **kw: fla_gdn(**kw, cu_seqlens=cu)[0]}
+    else:
+        ours = cp.build_cp_context(cu, dist.group.WORLD, cu_seqlens_cpu=cu.cpu())
+        theirs = fla_cp.build_cp_context(cu, dist.group.WORLD, cu_seqlens_cpu=cu.cpu())
+        calls = {API_ROW: lambda **kw: chunk_gated_delta_rule(**kw, cp_context=ours)[0],
+                 "FLA": lambda **kw: fla_gdn(**kw, cp_context=theirs)[0]}
+    return calls, inputs, do
+
+
+def _cp_step(call, inputs: dict, do, step: str):
+    """fn() running one forward (no grad) or one training step of ``call``."""
+    if step == "forward":
+        def run():
+            with torch.no_grad():
+                call(**inputs)
+        return run
+    leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+    return lambda: torch.autograd.grad(call(**leaves), list(leaves.values()), do)
+
+
+def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str) -> None:
+    """One rank of world size ``world``: every (problem, impl, step) timed; rank 0 appends each row
+    to ``out`` as a JSON line (a rank that fails alone leaves the others in a collective until the
+    group's timeout ends the run: the rows before it stay)."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from flashqla import cp
+
+    os.environ["FLA_FLASH_QLA"] = "0"                  # FLA's own kernels
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast off
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=180))
+    cp._all_gather = _timed_all_gather(cp._all_gather)
+    try:
+        for p in CP_PROBLEMS:
+            if short_label(p.label) not in labels:
+                continue
+            calls, inputs, do = _cp_calls(p, rank, world)
+            for step in CP_STEPS:
+                for impl, call in calls.items():
+                    row = dict(problem=p.label, impl=impl, step=step, world_size=world)
+                    try:
+                        ms, exchange = _time_ranks(_cp_step(call, inputs, do, step))
+                        row.update(ms=round(ms, 3), method="CUDA events, eager", exchange_ms=(
+                            round(exchange, 3) if impl == API_ROW and world > 1 else ""))
+                    except Exception as exc:  # noqa: BLE001 -- e.g. out of memory on one GPU: said why
+                        row.update(ms="", method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
+                        torch.cuda.empty_cache()
+                    if rank == 0:
+                        print(time.strftime("%X"), row, flush=True)
+                        with open(out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+            del calls, inputs, do
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def _compile_cp_kernels(problems) -> None:
+    """The forward's and backward's kernels the cp rows may launch (every solve, width and
+    AutoCP kernel of their heads), compiled on threads; TileLang's disk cache serves the ranks."""
+    from flashqla import bwd, fwd
+
+    jobs = []
+    for H, HV in {(p.H, p.HV) for p in problems}:
+        for R in {fwd.solve_heads(H, HV, 10**6, 1), fwd.solve_heads(H, HV, 0, 1)}:
+            jobs += [(fwd, fwd.gate_free_solve_with_cumsum_kernel, H, HV, R),
+                     *((fwd, fwd.gate_free_solve_kernel, H, HV, R, wy) for wy in (False, True))]
+        jobs += [(fwd, fwd.chunk_local_cumsum_kernel, HV), (fwd, fwd.windows_kernel, HV),
+                 (fwd, fwd.warmup_kernel, H, HV), (fwd, fwd.chain_kernel, HV),
+                 *((fwd, b, H, HV, 128, 128, bv)
+                   for b in (fwd.fused_reform_kernel, fwd.fused_state_value_kernel, fwd.fused_state_in_registers_kernel)
+                   for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V, fwd.NARROWEST_BLOCK_V)),
+                 (bwd, bwd.walk_kernel, H, HV, bwd.BV),
+                 *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
+                                             bwd.finish_kernel))]
+
+    def compile_one(job):
+        try:
+            job[0]._compiled(*job[1:])
+        except Exception:  # noqa: BLE001 -- a width a builder does not take: no launch asks for it
+            pass
+    run_on_threads([functools.partial(compile_one, job) for job in jobs])
+
+
+def _cp_world(world: int, labels: list[str]) -> list[dict]:
+    """The rows rank 0 of ``world`` spawned ranks wrote (those before a failure, if one stopped them)."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.jsonl")
+        try:
+            mp.start_processes(_cp_worker, args=(world, port, labels, out), nprocs=world, join=True,
+                               start_method="spawn")
+        except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
+            print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
+                  flush=True)
+        if not os.path.exists(out):
+            return []
+        with open(out) as f:
+            return [json.loads(line) for line in f]
+
+
+def _cp_napkin(rows: list[dict], tflops_roof: float) -> list[dict]:
+    """The rows with vs_fla (FLA's ms over this row's, same world size), efficiency (t_1 / (n t_n),
+    same impl), exchange_share, TFLOP/s over all GPUs and its % of n GEMM roofs."""
+    ms = {(r["problem"], r["impl"], r["step"], r["world_size"]): r["ms"] for r in rows}
+    out = []
+    for r in rows:
+        r = {**r}
+        if r["ms"] != "":
+            p = next(p for p in CP_PROBLEMS if p.label == r["problem"])
+            flops = (useful_flops if r["step"] == "forward" else train_flops)(p)
+            one = ms.get((r["problem"], r["impl"], r["step"], 1))
+            fla = ms.get((r["problem"], "FLA", r["step"], r["world_size"]))
+            exchange = r.get("exchange_ms", "")
+            r.update(vs_fla=round(fla / r["ms"], 2) if fla else "",
+                     efficiency=round(one / (r["world_size"] * r["ms"]), 3) if one else "",
+                     exchange_share=round(exchange / r["ms"], 3) if exchange != "" else "",
+                     tflops=round(flops / r["ms"] / 1e9, 1),
+                     pct_gemm_roof=round(100 * flops / r["ms"] / 1e9 / (r["world_size"] * tflops_roof), 1))
+        out.append(r)
+    return out
+
+
+def cp_main(commit: str, csv_path: Path | None = None, labels=None) -> int:
+    """``bench --mode cp``: world sizes 1, 2, 4 (those this host has), each as spawned ranks; the CSV
+    (``results/cp.csv`` or ``csv_path``) rewritten after each, so a run cut short keeps what it timed."""
+    if torch.cuda.device_count() < 1:
+        print("bench: needs a CUDA GPU")
+        return 1
+    csv_path = csv_path or RESULTS / "cp.csv"
+    labels = labels or [short_label(p.label) for p in CP_PROBLEMS]
+    problems = [p for p in CP_PROBLEMS if short_label(p.label) in labels]
+    if not problems:
+        raise ValueError(f"bench: `problems` {labels} select none of "
+                         f"{[short_label(p.label) for p in CP_PROBLEMS]}")
+    _compile_cp_kernels(problems)
+    tflops_roof, _ = roofs()
+    torch.cuda.empty_cache()  # this process's memory on GPU 0 back to rank 0
+    meta = dict(versions(commit), gemm_roof_tflops=round(tflops_roof))
+    raw = []
+    for world in [w for w in (1, 2, 4) if w <= torch.cuda.device_count()]:
+        raw += _cp_world(world, labels)
+        rows = [{**{c: r.get(c, "") for c in CP_COLUMNS}, **meta} for r in _cp_napkin(raw, tflops_roof)]
+        if rows:
+            with open(csv_path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    for r in rows:
+        print(", ".join(f"{k}={r[k]}" for k in CP_COLUMNS))
+    print(f"wrote {csv_path}")
+    return 1 if not rows or any(r["ms"] == "" and r["impl"] == API_ROW for r in rows) else 0

@@ -8,7 +8,8 @@ Build a context once per ``cu_seqlens`` (FLA 0.6.0's ``fla.ops.cp.build_cp_conte
 
 The math. A sequence's recurrence over any span of its tokens is affine in the state entering it:
 the state leaving the span is M h + Z, with M (K x K per value head) the product over the span's
-tokens of exp(g_t) (I - beta_t k_t k_t^T) (``reference.sequence_transition``) and Z the state
+tokens of exp(g_t) (I - beta_t k_t k_t^T) (``reference.sequence_transition``; equally the state
+leaving the span from h = I with v = 0) and Z the state
 leaving it from h = 0. Cut the T packed tokens into P equal slots (P = world size, or 2 x world
 size zigzag). A sequence over slots s0 < ... < s1 has a piece in each; with Z_s the state leaving
 its piece of slot s from zero (from the sequence's initial state on s0) and M_s that piece's
@@ -27,24 +28,36 @@ slots a sequence fills end to end (s0 < s < s1, "spanning") need M: Z_{s0} start
 dZ_{s1} the reverse one.
 
 Per call and rank, forward: (1) the boundary pass: for the last piece of each held slot whose
-sequence goes on to a later slot, its Z and, when it spans its slot, its M; (2) one all_gather
-of those (Z, M) pairs; (3) the scan for the first piece of each held slot that continues a
-sequence; (4) the local forward from the true initial states. The backward mirrors it: dZ of
-each continuing first piece, an all_gather, the reverse scan, the local backward. The scans run
-in slot order, the same on every rank, so no result depends on timing; in float64 every output
-and gradient matched a single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and
-4 gloo ranks). Exchanged per direction and rank: held slots x HV x K x (V + K) numbers in one
-all_gather, 8.4 MB a slot at (HV, K, V) = (64, 128, 128) in float32.
+sequence goes on to a later slot, its Z (a forward over that piece alone from its initial state)
+and, when it spans its slot, its M (the same forward with v = 0 from h0 = I: the state is then
+M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan for the first
+piece of each held slot that continues a sequence; (4) the local forward over the shard (its
+pieces as varlen sequences) from the true initial states. A shard that continues no sequence
+(contiguous rank 0, say) knows every initial state at once: it runs (4) first and takes its Z
+from (4)'s final states, so it makes no separate boundary call. The backward mirrors it with
+the forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing
+first piece (the dh0 of a backward over that piece alone with its own do and dht), an
+all_gather, the reverse scan, the local backward with per-piece dht; a shard whose pieces all
+end their sequences (contiguous last rank) runs the local backward first and takes dZ from its
+dh0. The scans run in slot order, the same on every rank, in float32 (float64 for float64
+inputs), so no result depends on timing; in float64 every output and gradient matched a
+single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and 4 gloo ranks).
+Exchanged per rank: held slots x HV x K x (V + K) numbers forward, HV x K x V backward, one
+all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in float32).
 
-What runs. Every local pass is the chunked PyTorch reference in float32 (float64 for float64
-inputs) on the inputs' device, on any world size (1 included), over gloo or NCCL; the kernels do
-not run context parallelism (``FLASHQLA_BACKEND=kernels`` raises, auto warns once). The call
-copies nothing from the device to the host: the context holds the bounds. Under torch.compile
-the call runs eagerly (a graph break). A warm-up variant (AutoCP's idea across ranks) would
-replace the scan, for heads whose log decay over the tail of the previous slot reaches a
-threshold, by that tail run from zero (wrong by at most exp(threshold) times the state's norm
-where the tail starts): those heads would need no M and no chain through more than one slot,
-and g = 0 heads would keep the exact scan.
+What runs. The local passes (the boundary ones included) are the only switch between the two
+paths, ``LocalPasses``: on an SM90 GPU with bf16 q, k, v and K = V = 128 (``api.use_kernels``,
+FLASHQLA_BACKEND read at every call) they are the promoted kernels, ``flashqla.fwd.forward``
+(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``; otherwise the chunked
+PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device. Either runs on
+any world size (1 included), over gloo or NCCL. The call copies nothing between host and device:
+the context holds the bounds on the host and its index tensors and the kernels' int32 bounds on
+the device, built once. Under torch.compile the call runs eagerly (a graph break).
+
+A warm-up variant (AutoCP's idea across ranks) would replace the scan, for heads whose log decay
+over the tail of the previous slot reaches a threshold, by that tail run from zero (wrong by at
+most exp(threshold) times the state's norm where the tail starts): those heads would need no M
+and no chain through more than one slot, and g = 0 heads would keep the exact scan.
 
 Layouts (FLA's). ``contiguous``: rank r holds slot r, tokens [r L, (r + 1) L), L = T / world
 size. ``zigzag``: rank r holds slots r and 2 W - 1 - r, L = T / (2 W), concatenated [front;
@@ -64,13 +77,15 @@ rank's shard, [1, L x held slots, ...].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashqla import checks, reference
+from flashqla import checks
 from flashqla.nvtx import nvtx_range
+from flashqla.varlen import remember_bounds
 
 LAYOUTS = ("contiguous", "zigzag")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -109,7 +124,11 @@ class CPContext:
 
     ``cu_seqlens`` and ``cu_seqlens_cpu`` are the local bounds (FLA's): the pieces of the held
     slots, back to back; ``pieces`` the same with their global sequences; ``empty`` the global
-    indices of the empty sequences this rank owns."""
+    indices of the empty sequences this rank owns. Built once on ``cu_seqlens``'s device, so a call
+    copies nothing from the host: ``kernel_cu_seqlens`` (the local bounds in int32, the kernels'
+    dtype; ``local_bounds`` their host values) and ``index``, int64 row lists: ``first_pieces`` /
+    ``first_seqs`` (the pieces where a sequence starts, and those sequences), ``last_pieces`` /
+    ``last_seqs`` (where one ends), ``empty``."""
 
     group: object
     world_size: int
@@ -122,18 +141,14 @@ class CPContext:
     empty: tuple[int, ...]
     cu_seqlens: Tensor
     cu_seqlens_cpu: Tensor
+    kernel_cu_seqlens: Tensor
+    local_bounds: list[int]
+    index: dict[str, Tensor]
 
     @property
     def num_tokens(self) -> int:
         """Tokens of the local shard."""
         return self.part_len * len(self.slots)
-
-    def rows(self, end: str) -> tuple[list[int], list[int]]:
-        """(local piece indices, their global sequences) of the pieces where their sequence
-        starts (``end`` "first") or ends ("last")."""
-        rows = [(p, piece.seq) for p, piece in enumerate(self.pieces)
-                if not (piece.incoming if end == "first" else piece.outgoing)]
-        return [p for p, _ in rows], [n for _, n in rows]
 
     def place(self, slot: int) -> tuple[int, int]:
         """(rank, index among its held slots) of ``slot``."""
@@ -207,8 +222,16 @@ def build_cp_context(cu_seqlens: Tensor, group=None, *, cu_seqlens_cpu: Tensor |
     empty = tuple(n for n in range(len(bounds) - 1)
                   if bounds[n] == bounds[n + 1] and min(bounds[n] // L, num_slots - 1) in slots)
     cu_cpu = torch.tensor(local, dtype=cu_seqlens.dtype)
+    cu_dev = cu_cpu.to(cu_seqlens.device)
+    rows = {}
+    for end, skip in (("first", "incoming"), ("last", "outgoing")):
+        kept = [(p, piece.seq) for p, piece in enumerate(pieces) if not getattr(piece, skip)]
+        rows[f"{end}_pieces"], rows[f"{end}_seqs"] = [p for p, _ in kept], [n for _, n in kept]
+    rows["empty"] = list(empty)
+    index = {name: torch.tensor(r, dtype=torch.int64).to(cu_seqlens.device) for name, r in rows.items()}
     return CPContext(group, world, rank, layout, L, len(bounds) - 1, slots, tuple(pieces), empty,
-                     cu_cpu.to(cu_seqlens.device), cu_cpu)
+                     cu_dev, cu_cpu, cu_dev if cu_dev.dtype == torch.int32 else cu_dev.to(torch.int32),
+                     local, index)
 
 
 def check_context(ctx, cu_seqlens, cu_seqlens_cpu) -> None:
@@ -272,136 +295,178 @@ def _all_gather(x: Tensor, ctx: CPContext) -> Tensor:
     """[held slots, ...] from every rank -> [world size, held slots, ...]."""
     if ctx.world_size == 1:
         return x[None]
-    out = [torch.empty_like(x) for _ in range(ctx.world_size)]
-    dist.all_gather(out, x.contiguous(), group=ctx.group)
-    return torch.stack(out)
+    out = x.new_empty(ctx.world_size * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=ctx.group)
+    return out.view(ctx.world_size, *x.shape)
 
 
-def _pairs(got: Tensor, ctx: CPContext, slots, vd: int) -> list[tuple[Tensor, Tensor]]:
-    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots``."""
-    return [(got[ctx.place(s)][..., :vd], got[ctx.place(s)][..., vd:]) for s in slots]
+def _pairs(z: Tensor, m: Tensor, ctx: CPContext, slots) -> list[tuple[Tensor, Tensor]]:
+    """The exchanged (Z or dZ [HV, K, V], M [HV, K, K]) of ``slots``, from [world size, held
+    slots, ...] each."""
+    return [(z[ctx.place(s)], m[ctx.place(s)]) for s in slots]
 
 
-def _boundary(x, piece, h0, vd, backward_of=None):
-    """One exchanged row for ``piece`` [HV, K, V + K]: its Z (forward) or, with ``backward_of`` =
-    (do, dht_local row), its dZ, and its M when it spans its slot (zeros: no slot reads it)."""
-    sl = slice(piece.start, piece.end)
-    q, k, v, g, beta = (t[:, sl] for t in x[:5])
-    scale = x[5]
-    if backward_of is None:     # Z: the piece's final state from h0
-        _, z = reference.chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True)
-    else:                       # dZ: the gradient of the state entering the piece (its dh0)
-        do, dht = backward_of
-        z = reference.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do[:, sl], dht, scale, h0)[5]
-    m = (reference.sequence_transition(k, g, beta)[0] if piece.spanning
-         else z.new_zeros(*z.shape[1:3], z.shape[2]))
-    return torch.cat([z[0], m], -1)
+def _copy_rows(dst: Tensor, dst_rows: Tensor, src: Tensor, src_rows: Tensor) -> None:
+    """dst[dst_rows] = src[src_rows] with the context's index tensors (on cu_seqlens's device, so
+    ``.to`` moves nothing where that is the states' device): one copy, no host sync."""
+    if dst_rows.numel():
+        dst.index_copy_(0, dst_rows.to(dst.device), src.index_select(0, src_rows.to(src.device)))
 
 
-def _copy_rows(dst: Tensor, dst_rows: list[int], src: Tensor, src_rows: list[int]) -> None:
-    """dst[dst_rows] = src[src_rows] for host row lists: one copy, not one per row."""
-    if dst_rows:
-        dst[torch.tensor(dst_rows, device=dst.device)] = src[torch.tensor(src_rows, device=src.device)]
+@dataclass(frozen=True)
+class LocalPasses:
+    """The two functions every local pass calls, the only difference between the kernel path and
+    the reference path (the api's ``_kernel_forward`` / ``_reference`` and their backwards):
+
+    forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens) -> (o, final state)
+    backward(q, k, v, g, beta, do, dht, scale, h0, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)
+
+    ``host_bounds``: they take the local bounds as the host tensor (the reference) or as the
+    context's int32 device tensor (the kernels)."""
+
+    forward: Callable
+    backward: Callable
+    host_bounds: bool
 
 
-def _forward(x, initial_state, ctx):
-    """x = (q, k, v, g, beta, scale) in the work dtype, initial_state [N, HV, K, V] or None ->
-    (o, final state [N, HV, K, V] with this rank's rows, the true initial state of every piece)."""
-    q, v = x[0], x[2]
+def local_passes(q: Tensor, v: Tensor) -> LocalPasses:
+    """The kernels where they run this call (``api.use_kernels``: FLASHQLA_BACKEND and
+    ``kernel_unsupported``), else the reference in float32 (float64 for float64 inputs)."""
+    from flashqla import api
+    if api.use_kernels(q, v):
+        return LocalPasses(api._kernel_forward, api._kernel_backward, host_bounds=False)
+    return LocalPasses(api._reference, api._reference_backward, host_bounds=True)
+
+
+def _bounds(ctx: CPContext, passes: LocalPasses) -> Tensor:
+    """The local cu_seqlens the passes take (the kernels' host reads find the context's values)."""
+    if passes.host_bounds:
+        return ctx.cu_seqlens_cpu
+    remember_bounds(ctx.kernel_cu_seqlens, ctx.local_bounds)
+    return ctx.kernel_cu_seqlens
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _forward(x, initial_state, ctx, passes):
+    """x = (q, k, v, g, beta, scale), initial_state [N, HV, K, V] in the state dtype or None ->
+    (o, final state [N, HV, K, V] with this rank's rows, each piece's true initial state, the
+    gathered (Z, M) [world size, held slots, HV, K, V + K])."""
+    q, k, v, g, beta, scale = x
     hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    h0 = q.new_zeros(len(ctx.pieces), hv, kd, vd)     # each piece's initial state
+    state = dict(dtype=_state_dtype(q), device=q.device)
+    cu = _bounds(ctx, passes)
+    h0 = torch.zeros(len(ctx.pieces), hv, kd, vd, **state)     # each piece's initial state
     if initial_state is not None:
-        pieces, seqs = ctx.rows("first")
-        _copy_rows(h0, pieces, initial_state, seqs)
+        _copy_rows(h0, ctx.index["first_pieces"], initial_state, ctx.index["first_seqs"])
+    o = None
+    if not any(piece.incoming for piece in ctx.pieces):  # every initial state known: the local
+        with nvtx_range("cp.fwd.local"):                 # pass comes first and gives the Z
+            o, ht = passes.forward(*x, h0, True, cu)
     with nvtx_range("cp.fwd.boundary"):
-        send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
+        send = torch.zeros(len(ctx.slots), hv, kd, vd + kd, **state)
         for p, piece in enumerate(ctx.pieces):
-            if piece.outgoing:
-                send[ctx.slots.index(piece.slot)] = _boundary(x, piece, h0[p:p + 1], vd)
+            if not piece.outgoing:
+                continue
+            i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
+            xs = [t[:, sl] for t in (q, k, v, g, beta)]
+            # Z: the piece's final state from its initial state (zero when it continues a sequence)
+            send[i, ..., :vd] = (ht[p] if o is not None
+                                 else passes.forward(*xs, scale, h0[p:p + 1], True, None)[1][0])
+            if piece.spanning:  # M: the final state with v = 0 from h0 = I, a K x K "state"
+                eye = torch.eye(kd, **state).expand(1, hv, kd, kd)
+                xs[2] = v.new_zeros(1, piece.end - piece.start, hv, kd)
+                send[i, ..., vd:] = passes.forward(*xs, scale, eye, True, None)[1][0]
     with nvtx_range("cp.fwd.exchange"):
         got = _all_gather(send, ctx)
-    for p, piece in enumerate(ctx.pieces):
-        if piece.incoming:
-            h0[p] = fold_states(_pairs(got, ctx, range(piece.first_slot, piece.slot), vd))
-    with nvtx_range("cp.fwd.local"):
-        o, ht = reference.chunk_gated_delta_rule_ref(*x, h0, True, ctx.cu_seqlens_cpu)
-    final = q.new_zeros(ctx.num_seqs, hv, kd, vd)
-    pieces, seqs = ctx.rows("last")
-    _copy_rows(final, seqs, ht, pieces)
-    if initial_state is not None:                     # an empty sequence's final state is its initial one
-        _copy_rows(final, list(ctx.empty), initial_state, list(ctx.empty))
-    return o, final, h0
-
-
-def _backward(x, h0, do, dht, ctx, want_dh0: bool):
-    """The gradients of <do, o> + <dht, final state> (dht with this rank's rows): dq, dk, dv, dg,
-    dbeta of the shard and dh0 [N, HV, K, V] with the rows of the sequences starting here."""
-    q, v = x[0], x[2]
-    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
-    dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
-    pieces, seqs = ctx.rows("last")
-    _copy_rows(dht_local, pieces, dht, seqs)
-    with nvtx_range("cp.bwd.boundary"):
-        send = q.new_zeros(len(ctx.slots), hv, kd, vd + kd)
+    if o is None:
         for p, piece in enumerate(ctx.pieces):
             if piece.incoming:
-                send[ctx.slots.index(piece.slot)] = _boundary(
-                    x, piece, h0[p:p + 1], vd, backward_of=(do, dht_local[p:p + 1]))
+                h0[p] = fold_states(_pairs(got[..., :vd], got[..., vd:], ctx,
+                                           range(piece.first_slot, piece.slot)))
+        with nvtx_range("cp.fwd.local"):
+            o, ht = passes.forward(*x, h0, True, cu)
+    final = torch.zeros(ctx.num_seqs, hv, kd, vd, **state)
+    _copy_rows(final, ctx.index["last_seqs"], ht, ctx.index["last_pieces"])
+    if initial_state is not None:                     # an empty sequence's final state is its initial one
+        _copy_rows(final, ctx.index["empty"], initial_state, ctx.index["empty"])
+    return o, final, h0, got
+
+
+def _backward(x, h0, got, do, dht, ctx, passes, want_dh0: bool):
+    """The gradients of <do, o> + <dht, final state> (dht with this rank's rows), from the
+    forward's h0 and gathered (Z, M): dq, dk, dv, dg, dbeta of the shard and dh0 [N, HV, K, V]
+    with the rows of the sequences starting here."""
+    q, k, v, g, beta, scale = x
+    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
+    cu = _bounds(ctx, passes)
+    dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
+    _copy_rows(dht_local, ctx.index["last_pieces"], dht, ctx.index["last_seqs"])
+    grads = None
+    if not any(piece.outgoing for piece in ctx.pieces):  # every final gradient known: the local
+        with nvtx_range("cp.bwd.local"):                 # pass comes first and gives the dZ
+            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
+    with nvtx_range("cp.bwd.boundary"):
+        send = torch.zeros(len(ctx.slots), hv, kd, vd, dtype=h0.dtype, device=h0.device)
+        for p, piece in enumerate(ctx.pieces):
+            if not piece.incoming:
+                continue
+            i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
+            xs = [t[:, sl] for t in (q, k, v, g, beta, do)]
+            # dZ: the gradient of the state entering the piece (its dh0) from its own do and dht
+            send[i] = (grads[5][p] if grads is not None
+                       else passes.backward(*xs, dht_local[p:p + 1], scale, h0[p:p + 1], None)[5][0])
     with nvtx_range("cp.bwd.exchange"):
-        got = _all_gather(send, ctx)
-    for p, piece in enumerate(ctx.pieces):
-        if piece.outgoing:
-            later = range(piece.slot + 1, piece.last_slot + 1)
-            dht_local[p] = fold_state_grads(_pairs(got, ctx, later, vd))
-    with nvtx_range("cp.bwd.local"):
-        *grads, dh0_local = reference.chunk_gated_delta_rule_bwd_ref(
-            *x[:5], do, dht_local, x[5], h0, ctx.cu_seqlens_cpu)
+        got_dz = _all_gather(send, ctx)
+    if grads is None:
+        for p, piece in enumerate(ctx.pieces):
+            if piece.outgoing:
+                dht_local[p] = fold_state_grads(_pairs(got_dz, got[..., vd:], ctx,
+                                                       range(piece.slot + 1, piece.last_slot + 1)))
+        with nvtx_range("cp.bwd.local"):
+            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
+    *grads, dh0_local = grads
     if not want_dh0:
         return (*grads, None)
     dh0 = torch.zeros_like(dht)
-    pieces, seqs = ctx.rows("first")
-    _copy_rows(dh0, seqs, dh0_local, pieces)
-    _copy_rows(dh0, list(ctx.empty), dht, list(ctx.empty))
+    _copy_rows(dh0, ctx.index["first_seqs"], dh0_local, ctx.index["first_pieces"])
+    _copy_rows(dh0, ctx.index["empty"], dht, ctx.index["empty"])
     return (*grads, dh0)
 
 
-def _work(q, k, v, g, beta, scale, initial_state):
-    """(x = (q, k, v, g, beta, scale), initial_state) in the work dtype: float64 for float64 q,
-    float32 otherwise (the api's reference path)."""
-    wd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    x = (*(t.to(wd) for t in (q, k, v, g, beta)), scale)
-    return x, None if initial_state is None else initial_state.to(wd)
-
-
 class _Function(torch.autograd.Function):
-    """Forward and backward each with one all_gather; saves the inputs and the pieces' true
-    initial states (the backward recomputes the rest)."""
+    """Forward and backward each with one all_gather; saves the inputs, the pieces' true initial
+    states and the gathered (Z, M) (the backward reads M and recomputes the rest)."""
 
     @staticmethod
-    def forward(autograd_ctx, q, k, v, g, beta, initial_state, scale, ctx):
-        o, final, h0 = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
-        autograd_ctx.save_for_backward(q, k, v, g, beta, h0)
-        autograd_ctx.scale, autograd_ctx.cp, autograd_ctx.h0_dtype = scale, ctx, \
-            None if initial_state is None else initial_state.dtype
+    def forward(autograd_ctx, q, k, v, g, beta, initial_state, scale, ctx, passes):
+        o, final, h0, got = _forward((q, k, v, g, beta, scale), initial_state, ctx, passes)
+        autograd_ctx.save_for_backward(q, k, v, g, beta, h0, got)
+        autograd_ctx.scale, autograd_ctx.cp, autograd_ctx.passes = scale, ctx, passes
+        autograd_ctx.h0_dtype = None if initial_state is None else initial_state.dtype
         return o.to(v.dtype), final
 
     @staticmethod
     def backward(autograd_ctx, do, dht):
-        q, k, v, g, beta, h0 = autograd_ctx.saved_tensors
-        x, _ = _work(q, k, v, g, beta, autograd_ctx.scale, None)
-        *grads, dh0 = _backward(x, h0, do.to(h0.dtype), dht.to(h0.dtype), autograd_ctx.cp,
+        q, k, v, g, beta, h0, got = autograd_ctx.saved_tensors
+        x = (q, k, v, g, beta, autograd_ctx.scale)
+        *grads, dh0 = _backward(x, h0, got, do, dht.to(h0.dtype), autograd_ctx.cp, autograd_ctx.passes,
                                 autograd_ctx.h0_dtype is not None)
         grads = (d.to(t.dtype) for d, t in zip(grads, (q, k, v, g, beta)))
-        return (*grads, None if dh0 is None else dh0.to(autograd_ctx.h0_dtype), None, None)
+        return (*grads, None if dh0 is None else dh0.to(autograd_ctx.h0_dtype), None, None, None)
 
 
 @torch.compiler.disable
 def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: float, initial_state, ctx: CPContext):
     """The checked, preprocessed call of ``chunk_gated_delta_rule(..., cp_context=ctx)`` (the api
-    does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in the work
-    dtype with this rank's rows). Under torch.compile it runs eagerly (a graph break)."""
+    does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in float32
+    (float64 for float64 q) with this rank's rows), on the kernels or the reference
+    (``local_passes``). Under torch.compile it runs eagerly (a graph break)."""
+    passes = local_passes(q, v)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, g, beta, initial_state)):
-        return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx)
-    o, final, _ = _forward(*_work(q, k, v, g, beta, scale, initial_state), ctx)
+        return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx, passes)
+    o, final, _, _ = _forward((q, k, v, g, beta, scale), initial_state, ctx, passes)
     return o.to(v.dtype), final

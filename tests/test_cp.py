@@ -1,7 +1,11 @@
 """flashqla.cp: context parallelism across ranks. Spawned gloo ranks (2 and 4) run the reference
 path over varlen mixes, both layouts; outputs, final states and every gradient equal a
-single-process float64 run to 1e-10, and deliberately broken scans fail the same checks."""
+single-process float64 run to 1e-10, and deliberately broken scans fail the same checks. The
+kernel path's orchestration runs on CPU too, the reference put in the kernels' place. The
+gpu-marked tests run the kernels over NCCL against the single-GPU library."""
 
+import functools
+import itertools
 import json
 import os
 import re
@@ -14,9 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashqla
+import flashqla.api
 from flashqla import cp
 from flashqla import reference as ref
-from flashqla.testing import Problem, cast_floats
+from flashqla.testing import ROUNDING_FLOOR, TOLERANCE_FACTOR, Problem, cast_floats, rel_l2
 
 F64 = torch.float64
 api = flashqla.chunk_gated_delta_rule
@@ -89,13 +94,32 @@ def _no_exchange(pairs):         # the ranks never combine: every shard starts f
     return torch.zeros_like(pairs[0][0])
 
 
-# variant: (the cp functions it replaces, the quantities that stay exact). o and the final state
+KERNEL_CALLS = []    # (function, whether it had bounds) of each call the "kernel path" variant made
+
+
+def _as_kernel(fn):
+    """``fn`` (the reference forward or backward) in a kernel's place: it must get the kernels' int32
+    device bounds (or none: one piece), and it records its calls."""
+    def run(*args):
+        cu = args[-1]
+        assert cu is None or (cu.dtype == torch.int32 and cu.device == args[0].device), cu
+        KERNEL_CALLS.append((fn.__name__, cu is not None))
+        return fn(*args)
+    return run
+
+
+# variant: ({module: {name: replacement}}, the quantities that stay exact). o and the final state
 # are affine in v and h0 with coefficients that no state enters, so dv and dh0 never read the
-# forward's states; dq reads the states, never the state gradients.
+# forward's states; dq reads the states, never the state gradients. "kernel path": the kernels'
+# orchestration (device int32 bounds) with the reference in the kernels' place.
 VARIANTS = {"exact": ({}, NAMES),
-            "no M": ({"fold_states": _fold_without_m}, ("dv", "dh0")),
-            "M, not M^T": ({"fold_state_grads": _fold_grads_with_m}, ("o", "final_state", "dq")),
-            "no exchange": ({"fold_states": _no_exchange, "fold_state_grads": _no_exchange}, ())}
+            "kernel path": ({flashqla.api: {"use_kernels": lambda q, v: True,
+                                            "_kernel_forward": _as_kernel(flashqla.api._reference),
+                                            "_kernel_backward": _as_kernel(flashqla.api._reference_backward)}},
+                            NAMES),
+            "no M": ({cp: {"fold_states": _fold_without_m}}, ("dv", "dh0")),
+            "M, not M^T": ({cp: {"fold_state_grads": _fold_grads_with_m}}, ("o", "final_state", "dq")),
+            "no exchange": ({cp: {"fold_states": _no_exchange, "fold_state_grads": _no_exchange}}, ())}
 
 # (world size, layout, lengths, variant): slots of 150 (2 ranks) or 100 tokens (4), 75 or 50 zigzag,
 # so chunks of 64 and pieces cross slot boundaries off the chunk grid
@@ -106,40 +130,46 @@ CASES = {
         ("contiguous", (150, 0, 150), "exact"),           # an empty sequence on the boundary
         ("zigzag", (300,), "exact"),
         ("zigzag", (40, 0, 200, 60), "exact"),
-        ("contiguous", (40, 200, 60), "no exchange")],
+        ("contiguous", (40, 200, 60), "no exchange"),
+        ("zigzag", (40, 0, 200, 60), "kernel path")],
     4: [("contiguous", (400,), "exact"),
         ("contiguous", (30, 330, 40), "exact"),           # spanning every rank, starting off the boundary
         ("contiguous", (100, 100, 5, 195), "exact"),
         ("zigzag", (400,), "exact"),
         ("zigzag", (30, 330, 40), "exact"),
+        ("contiguous", (30, 330, 40), "kernel path"),
         ("contiguous", (400,), "no M"),
         ("contiguous", (400,), "M, not M^T")],
 }
 
 
-def _worker(rank, world, port, out, device_type):
-    """One rank: every case of CASES[world] over gloo (cpu) or NCCL (cuda, a GPU per rank)."""
+def _worker(rank, world, port, out):
+    """One rank: every case of CASES[world] over gloo."""
     torch.set_num_threads(1)
     device = "cpu"
-    if device_type == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")            # NVLink multicast off
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")                      # auto's one-time reference warning
             for layout, lengths, variant in CASES[world]:
-                saved = {name: getattr(cp, name) for name in VARIANTS[variant][0]}
-                for name, fn in VARIANTS[variant][0].items():
-                    setattr(cp, name, fn)
+                patches = [(m, name, fn) for m, fns in VARIANTS[variant][0].items() for name, fn in fns.items()]
+                saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+                for m, name, fn in patches:
+                    setattr(m, name, fn)
+                KERNEL_CALLS.clear()
                 try:
                     results.append(_errors(lengths, layout, device))
+                    if variant == "kernel path":  # every pass ran on them: the local ones (with bounds)
+                        calls = set(KERNEL_CALLS)       # here, the boundary ones (one piece) on some rank
+                        assert {("_reference", True), ("_reference_backward", True)} <= calls, calls
+                        some = torch.tensor([(fn, False) in calls
+                                             for fn in ("_reference", "_reference_backward")])
+                        dist.all_reduce(some, op=dist.ReduceOp.MAX)
+                        assert some.all(), some
                 finally:
-                    for name, fn in saved.items():
-                        setattr(cp, name, fn)
+                    for m, name, fn in saved:
+                        setattr(m, name, fn)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
@@ -153,9 +183,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_cases(world, device_type, tmp_path):
+def _spawn_cases(world, tmp_path):
     out = tmp_path / "errors.json"
-    mp.start_processes(_worker, args=(world, _free_port(), str(out), device_type), nprocs=world,
+    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world,
                        join=True, start_method="spawn")
     _check_results(world, json.loads(out.read_text()))
 
@@ -172,16 +202,157 @@ def _check_results(world, results):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_equal_one_process(world, tmp_path):
-    _spawn_cases(world, "cpu", tmp_path)
+    _spawn_cases(world, tmp_path)
+
+
+# ---- the kernels over NCCL, a GPU per rank, against the single-GPU library
+
+GPU_HEADS = (2, 8)   # (H, HV), K = V = 128, bf16: the kernel path
+# (layout, lengths): T = 4096, slots of 2048 (2 ranks) or 1024 (4), halves of that zigzag; the middle
+# sequence starts and ends off every boundary and spans every rank (its middle slots need M)
+GPU_CASES = {2: [("contiguous", (4096,)), ("contiguous", (300, 3000, 796)), ("zigzag", (300, 3000, 796))],
+             4: [("contiguous", (300, 3000, 796)), ("zigzag", (4096,))]}
+
+
+def _gpu_problem(lengths, device):
+    """Kernel-dtype inputs (bf16 q, k, v; fp32 gates and initial state), do (bf16 values) and dht,
+    the same on every rank."""
+    x = Problem(*GPU_HEADS, tuple(lengths)).inputs(seed=3)
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    x = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+    return x, do.to(device), dht.to(device)
+
+
+def _bf16_reference(x, do, dht):
+    """check_op's err_bf16 operand: the reference math run in bf16 on the global problem."""
+    b = cast_floats(x, torch.bfloat16)
+    o, s = ref.chunk_gated_delta_rule_ref(b["q"], b["k"], b["v"], b["g"], b["beta"], None, b["initial_state"],
+                                          True, x["cu_seqlens"])
+    grads = ref.chunk_gated_delta_rule_bwd_ref(b["q"], b["k"], b["v"], b["g"], b["beta"], do,
+                                               dht.to(torch.bfloat16), None, b["initial_state"],
+                                               x["cu_seqlens"])
+    return (o, s, *grads)
+
+
+def _gpu_errors(lengths, layout, device):
+    """Per quantity: rel L2 (global, over every rank's shard) of cp against the float64 reference
+    and against the single-GPU library, the library's against float64, check_op's bound
+    2 max(err_bf16, 2^-9), whether two cp runs gave the same bits, and the host synchronizations
+    that CUDA's sync debug mode saw in a third (warnings, not errors: a rank that raised alone would
+    leave the others in a collective)."""
+    x, do, dht = _gpu_problem(lengths, device)
+    cu = x["cu_seqlens"]
+    ref64 = _run(cast_floats(x, F64), do.double(), dht.double(), cu_seqlens=cu)
+    lib = _run(x, do, dht, cu_seqlens=cu)
+    ctx = cp.build_cp_context(cu, layout=layout)
+    idx = _shard(ctx).to(device)
+    runs = [list(_run(x, do, dht, idx, cp_context=ctx)) for _ in range(2)]
+    same = torch.tensor([all(torch.equal(a, b) for a, b in zip(*runs))], device=device, dtype=torch.int32)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _run(x, do, dht, idx, cp_context=ctx)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:200] for w in seen if "synchroniz" in str(w.message)]
+    got = runs[0]
+    for i in (1, 7):                                              # final state, dh0: rows summed
+        dist.all_reduce(got[i])
+    sums = []                                                     # ||cp - ref||^2, ||ref||^2 per ref
+    for i, a in enumerate(got):
+        for r in (ref64, lib):
+            b = r[i] if i in (1, 7) else r[i][:, idx]
+            d, n = (a.double() - b.double()).square().sum(), b.double().square().sum()
+            sums += [d, n] if i not in (1, 7) or ctx.rank == 0 else [0 * d, 0 * n]  # state rows once
+    sums = torch.stack(sums)
+    dist.all_reduce(sums)
+    sums = sums.view(len(NAMES), 2, 2).tolist()
+    bf16 = _bf16_reference(x, do, dht)
+    out = {}
+    for i, name in enumerate(NAMES):
+        base = rel_l2(bf16[i], ref64[i])
+        out[name] = dict(vs_f64=(sums[i][0][0] / sums[i][0][1]) ** 0.5,
+                         vs_library=(sums[i][1][0] / sums[i][1][1]) ** 0.5,
+                         library_vs_f64=rel_l2(lib[i], ref64[i]),
+                         bound=TOLERANCE_FACTOR * max(base, ROUNDING_FLOOR))
+    out["bitwise"], out["host_syncs"] = bool(same.item()), syncs
+    return out
+
+
+def _gpu_worker(rank, world, port, out):
+    """One rank: every case of GPU_CASES[world] over NCCL, the kernels on a GPU per rank."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # NVLink multicast off
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device(f"cuda:{rank}"))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                      # the float64 run's reference warning
+            results = [_gpu_errors(lengths, layout, f"cuda:{rank}") for layout, lengths in GPU_CASES[world]]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_problems(lengths, layout, world):
+    """The kernel problems the ranks of a case run: every shard (varlen, its pieces) and every
+    piece alone (the boundary passes), as Problems, to compile before the ranks start."""
+    bounds = [0, *itertools.accumulate(lengths)]
+    slots = world * (2 if layout == "zigzag" else 1)
+    L = bounds[-1] // slots
+    shards = {r: [] for r in range(world)}
+    for s in range(slots):
+        r = s if s < world else 2 * world - 1 - s
+        shards[r] += [min(b, (s + 1) * L) - max(a, s * L) for a, b in zip(bounds, bounds[1:])
+                      if min(b, (s + 1) * L) > max(a, s * L)]
+    return ([Problem(*GPU_HEADS, tuple(p)) for p in shards.values()]
+            + [Problem(*GPU_HEADS, (n,), varlen=False) for p in shards.values() for n in p])
+
+
+@pytest.fixture(scope="module")
+def warm_kernels():
+    """Every kernel the GPU cases launch, compiled on threads in this process (TileLang's disk
+    cache then serves the ranks): a training step of each global problem, shard and piece."""
+    from flashqla.testing import run_on_threads
+
+    def step(p):
+        x = p.inputs("cuda")
+        leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        o, s = api(**x)
+        torch.autograd.grad(o.float().sum() + s.sum(), leaves)
+
+    problems = {Problem(*GPU_HEADS, lengths) for cases in GPU_CASES.values() for _, lengths in cases}
+    problems |= {p for w, cases in GPU_CASES.items() for layout, lengths in cases
+                 for p in _rank_problems(lengths, layout, w)}
+    run_on_threads([functools.partial(step, p) for p in sorted(problems, key=lambda p: p.label)])
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_nccl_ranks_equal_one_process(world, tmp_path):
-    """The same cases over NCCL, a GPU per rank, against one GPU (the float64 reference on both)."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    _spawn_cases(world, "cuda", tmp_path)
+@pytest.mark.hopper
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < w, reason=f"needs {w} GPUs")) for w in (2, 4)])
+def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
+    """The kernels over NCCL: outputs, final states and every gradient within check_op's bound of
+    the float64 reference and of the single-GPU library, bitwise the same run to run, and no host
+    synchronization in a call (rank 0's)."""
+    out = tmp_path / "errors.json"
+    mp.start_processes(_gpu_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
+                       start_method="spawn")
+    for (layout, lengths), errs in zip(GPU_CASES[world], json.loads(out.read_text())):
+        label = f"{world} ranks, {layout}, {lengths}"
+        print(label, json.dumps(errs))
+        bitwise, syncs = errs.pop("bitwise"), errs.pop("host_syncs")
+        bad = {n: e for n, e in errs.items() if max(e["vs_f64"], e["vs_library"]) > e["bound"]}
+        assert not bad, (label, bad)
+        assert bitwise, f"{label}: two runs differ"
+        assert not syncs, (label, syncs)
 
 
 # ---- one rank, in process
@@ -276,13 +447,15 @@ def test_call_errors_are_named():
     api(**plain, cp_context=ctx, cu_seqlens=ctx.cu_seqlens, cu_seqlens_cpu=ctx.cu_seqlens_cpu)
 
 
-def test_backend_kernels_raises_and_auto_warns(monkeypatch):
+def test_backend_kernels_raises_where_they_cannot_run(monkeypatch):
+    """FLASHQLA_BACKEND=kernels: a cp_context call the kernels cannot run (float64 on the CPU)
+    raises; reference runs it without a warning."""
     x, _, _ = _problem((60,))
     plain = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
     ctx = cp.build_cp_context(x["cu_seqlens"])
     monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
-    with pytest.raises(RuntimeError, match=re.escape("cannot run this call: cp_context (context "
-                                                     "parallelism across ranks) runs on the reference only")):
+    with pytest.raises(RuntimeError, match=re.escape("FLASHQLA_BACKEND=kernels, but the kernels cannot run "
+                                                     "this call")):
         api(**plain, cp_context=ctx)
     monkeypatch.setenv("FLASHQLA_BACKEND", "reference")
     with warnings.catch_warnings():
