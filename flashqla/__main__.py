@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     p_bench.add_argument("--csv", type=Path, default=None,
                          help="results file (default: profiles/results/gdn_fwd.csv)")
     p_bench.add_argument("--commit", default=None, help="commit to record (default: git's HEAD)")
-    p_bench.add_argument("--mode", choices=("gdn_fwd", "gdn_train"), default="gdn_fwd",
-                         help="the inference forward or a training step, forward + backward "
-                              "(default: %(default)s)")
+    p_bench.add_argument("--mode", choices=("gdn_fwd", "gdn_train", "cp"), default="gdn_fwd",
+                         help="the inference forward, a training step (forward + backward), or "
+                              "context parallelism over this host's GPUs (default: %(default)s)")
     p_bench.add_argument("--heads", nargs="+", default=None, metavar="H,HV",
                          help="only these head configurations, e.g. 16,64 2,8 (default: all public)")
     p_bench.add_argument("--problems", nargs="+", default=None, metavar="LABEL",
@@ -103,6 +103,8 @@ def main(argv=None) -> int:
         print(f"redrew the plots, {bench.RESULTS_PAGE.relative_to(CHECKOUT)} and the README summary "
               f"from {bench.RESULTS.relative_to(CHECKOUT)}/")
         return 0
+    if args.mode == "cp":
+        return bench.cp_main(args.commit or _commit(), args.csv, args.problems)
     heads = None if args.heads is None else [tuple(int(n) for n in h.split(",")) for h in args.heads]
     return bench.main(args.commit or _commit(), args.csv, heads, args.mode, args.problems, args.rows)
 

@@ -39,9 +39,10 @@ FLA's keywords, each done before the kernels by differentiable PyTorch ops, the 
     chunk_size                  64 only (ValueError otherwise)
     cp_context                  a context from ``flashqla.cp.build_cp_context`` (FLA's keyword): q, k,
                                 v, g, beta are this rank's shard, a sequence may span ranks, and the
-                                call exchanges states with the other ranks (``flashqla.cp``: the
-                                reference only; cu_seqlens, if given, must be the context's, and
-                                initial_state and the final state have a row per global sequence)
+                                call exchanges states with the other ranks (``flashqla.cp``: its local
+                                passes run the kernels or the reference, as above; cu_seqlens, if given,
+                                must be the context's, and initial_state and the final state have a
+                                row per global sequence)
     transpose_state_layout      FLA's deprecated name for state_v_first (a DeprecationWarning)
     head_first                  raises DeprecationWarning, as FLA does
 
@@ -522,7 +523,6 @@ def chunk_gated_delta_rule(
             initial_state = initial_state.transpose(-1, -2).contiguous()
     scale = q.shape[3] ** -0.5 if scale is None else scale
     if cp_context is not None:
-        _fall_back(backend(), "cp_context (context parallelism across ranks) runs on the reference only")
         with _no_autocast(q.device):
             o, final_state = cp.chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, initial_state, cp_context)
     else:
