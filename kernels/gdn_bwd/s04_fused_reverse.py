@@ -1,19 +1,25 @@
 """gdn_bwd, stage 04: one reverse kernel computes every gradient of a chunk.
 
 What changed from s03: s03's reverse walk role wrote dh and dV~ to HBM, and two chunk-parallel
-kernels (chunk_bwd_dqkwg.s01, wy_bwd.s01) read them back with v_new and h, wrote dw, dk and dg
-halves, and a finish kernel summed the halves. Here ONE kernel per (segment row, value head) walks
-the row's chunks in reverse with dS (K x V = 128 x 128) in fp32 registers and, in the same
-iteration, computes everything the three did for that chunk: dV~, the dS step, dq, dk, dw (kept
-in shared memory, never in HBM), dv, dbeta and dg (already reverse-cumsummed inside the chunk).
-Why: ../shared/BACKWARD.md 4 and 5 (s04_fused_reverse): s02/s03 send dh, dV~, dw, v_new and the
-dk/dg halves through HBM, about 176 KiB per (chunk, value head), and spend three launches on it.
+kernels (chunk_bwd_dqkwg.s01, wy_bwd.s01) read them back with v_new and h, wrote dw and the dk and
+dg halves, and a finish kernel summed the halves. Here ONE kernel per (segment row, value head, 64
+value columns) walks the row's chunks in reverse with its columns of dS (K x 64) in fp32 registers
+and, in the same iteration, computes everything the three did for that chunk: dV~, the dS step,
+dq, dk, dw (kept in shared memory, never in HBM), dv, dbeta and dg (reverse-cumsummed inside the
+chunk). Why: ../shared/BACKWARD.md 4 and 5 (s04_fused_reverse): s02 and s03 send dh, dV~, dw,
+v_new and the dk / dg halves through HBM, about 176 KiB per (chunk, value head), in three launches.
 
 The math is s02's FLA form (Ai = FLA's gated T from s02's prep, w, u; V~ = U - W S; the walk's dS
 recurrence; chunk_bwd_dqkwg's and wy_bwd's formulas), fused per chunk, not the gate-free form of
 BACKWARD.md 1.3. Why: every formula here exists as GPU-tested TileLang code in flashqla/bwd.py,
-the gated solve needs no `gated` branch (Ai is the gated matrix's inverse, solved in fp32), and
-the stage's lesson is the fusion; the gate-free form is a later stage's change of math.
+the solve needs no `gated` branch (Ai inverts the gated matrix itself, solved in fp32), and the
+stage's lesson is the fusion; the gate-free math is a change of its own.
+
+The value columns are split in two (V = 128 = 2 x 64, as the walks split them): dS's registers
+halve, and twice the CTAs run a row. dV~, dv and dh0 are column-wise; every V contraction (dP,
+dW, dq, dk, <S, dS'>, and through dW and dV~ V^T the whole wy part, which is linear in them) gives
+a part per column block, which the finish sums. The price: the wy part's 64 x 64 products and its
+D K, D^T K and Ai^T dW run once per block.
 
 Kernels in launch order (C = 64 tokens a chunk, K = V = 128, g = chunk-local cumsum of the gates,
 Gamma_ij = exp(g_i - g_j), rows of a chunk past its n real tokens zero):
@@ -21,43 +27,49 @@ Gamma_ij = exp(g_i - g_j), rows of a chunk past its n real tokens zero):
     prep             s02's: g, k, v, beta -> g_cum, Ai, w = Ai diag(beta exp g) K, u = Ai diag(beta) V
     segment states   s03's (only where s03's rule splits): h_seg, the initial state of every row
     segment grads    s03's (only where split): dht_seg, the final-state gradient of every row
-    forward walk     ``fwd_walk_kernel``, s02's walk without its reverse role: per row h[chunk] = S,
-                     V~ = U - W S, S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
-    fused reverse    ``fused_reverse_kernel``, per (row, value head), chunks backwards, with
-                     dS' = dS leaving the chunk (fp32 registers), S = h[chunk] (bf16, from HBM):
+    forward walk     ``fwd_walk_kernel``, s02's walk without its reverse role, over the rows:
+                     h[chunk] = S, V~ = U - W S, S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
+    fused reverse    ``fused_reverse_kernel``, per (row, value head, column block), the chunks
+                     backwards, dS' = dS leaving the chunk (fp32 registers), S = h[chunk] (bf16):
                      dV~ = diag(exp(g_C - g)) K dS' + P^T dO    (P^T = scale (K Q^T * Gamma^T), j <= i)
                      dS  = exp(g_C) dS' + scale Q^T diag(exp g) dO - W^T dV~
                      dP  = scale (dO V~^T * Gamma), c <= i;  dW = -dV~ S^T
                      dq  = scale diag(exp g) dO S^T + dP K
                      dk  = diag(exp(g_C - g)) V~ dS'^T + dP^T Q + D K + D^T K + diag(beta exp g) Ai^T dW
-                     dv  = diag(beta) Ai^T dV~,  dbeta, dg_cum as wy_bwd.s01 and chunk_bwd_dqkwg.s01
-                     (dAi = (dW K^T) diag(beta exp g) + (dV~ V^T) diag(beta), dA~ = -(Ai^T dAi Ai^T)
-                     * Gamma strictly lower, D = diag(beta) dA~), dg = reverse cumsum of dg_cum
-                     inside the chunk; dq, dk per value head (bf16); dh0 of the row = the last dS
-    finish           ``finish_kernel``: dq, dk <- the sums over each GVA group, in fp32, one rounding
+                     dv  = diag(beta) Ai^T dV~;  dbeta and dg_cum as wy_bwd.s01 and
+                     chunk_bwd_dqkwg.s01 (dAi = (dW K^T) diag(beta exp g) + (dV~ V^T) diag(beta),
+                     dA~ = -(Ai^T dAi Ai^T) * Gamma strictly lower, D = diag(beta) dA~);
+                     dg = the reverse cumsum of dg_cum inside the chunk; dh0 of the row = the last dS
+    finish           ``finish_kernel``: dq, dk <- the sums of the parts over each GVA group and both
+                     column blocks (fp32, one rounding); dg, dbeta <- the sums over the blocks
 
-dh0 of each sequence is its first segment row's. The reverse kernel's shared memory is each tile's
-one buffer, reused by hand along the iteration: w's holds dW once the dS step has read W; V~'s
-holds V once dk's V~ term is done; one 64 x 128 buffer holds dO' and then -dV~; one 64 x 64 holds
-P^T, then dP, then dAi.
+dh0 of each sequence is its first segment row's. No launch reads a device value on the host (a
+split plan's lengths are read once per ``cu_seqlens``, s03's ``split_plan``), no atomics: the sums
+are in a fixed order, the step is graph-capturable and bitwise deterministic.
 
-Threads, barriers, budgets: the reverse kernel is two math warpgroups (256 threads) sharing every
-product (synchronous ``T.gemm``, wgmma, each warpgroup half the columns or rows), tiles loaded by
-plain masked loads and a whole-tile copy for h; no producer, no mbarriers beyond TileLang's own,
-no setmaxnreg. dS at 256 threads is 64 fp32 registers a thread. About 210 KiB of shared memory
-(the module's ``kernel_source`` compiles it; the test checks the generated sizes), one CTA an SM.
-The forward walk is s02's consumer/producer pair (TMA tiles in two stages, bar_full / bar_empty),
-two V tiles of 64 columns per (row, value head).
+Threads, barriers, budgets. The reverse kernel: two math warpgroups (256 threads) share every
+product (synchronous ``T.gemm`` on wgmma, each warpgroup half the columns or rows); tiles come by
+masked plain loads, no producer, no mbarriers, no setmaxnreg; ``__syncthreads`` only (TileLang's,
+and one a chunk before the loads). dS is 32 fp32 registers a thread. The chunk's dk and the wy row
+sums live in shared memory, not registers, across the wy part (with them in registers the kernel
+spilled 152 bytes a thread); compiled for sm_90a at (16, 32): 255 registers, 8 bytes of stack
+(two loop-invariant offsets, reloaded once a chunk), 195 KiB of shared memory, one CTA an SM.
+Shared buffers are reused by hand along the iteration: W's holds dW once the dS step has read W;
+V~'s holds V once dk's V~ term is done; Q's holds -diag(exp g) K in the wy part; one 64 x 64
+buffer holds dO' and then -dV~; one 64 x 64 holds P^T, then dP, then dAi. The forward walk: s02's
+consumer / producer pair (TMA tiles in two stages, bar_full / bar_empty), 156 registers, no spills.
 
 Expected effect (not yet measured on the GPU): the reverse role, chunk_bwd_dqkwg and wy_bwd become
-one launch and the dh / dV~ / dw / v_new-reread / dk-dg-half round trips go away; per chunk the
-synchronous two-warpgroup kernel is likely slower than FlashQLA's 11.7 us per chunk per SM
-(BACKWARD.md 5 estimates 1.5-2x), so the gain, if any, is on many-head problems and split ones.
+one launch, and the dh / dV~ / dw round trips and the v_new, h and dk / dg-half re-reads go away.
+The synchronous kernel has no overlap of loads and products, so per chunk it is likely slower
+than FlashQLA's 11.7 us per chunk per SM (BACKWARD.md 5 estimates 1.5-2x at first); the gain, if
+any, is on many-head problems and on split ones.
 
 Taught in: not yet (a lab-log stage until it is measured; BACKWARD.md 5, s04_fused_reverse).
 """
 
 import functools
+import operator
 
 import torch
 
@@ -77,7 +89,8 @@ S02 = load("gdn_bwd", 2)         # prep
 S03 = load("gdn_bwd", 3)         # the AutoCP plan, segment states and gradients
 CHUNK_SIZE = S02.CHUNK_SIZE      # C = 64
 HEAD_DIM = S02.HEAD_DIM          # K = V = 128
-BV = S02.BV                      # 64 value columns a forward-walk CTA
+BV = S02.BV                      # 64 value columns a CTA, both walks
+NVT = HEAD_DIM // BV             # 2 column blocks: CTAs a (row, value head), parts of dq, dk, dg, dbeta
 STAGES = S02.STAGES              # the forward walk's tile stages
 WARPGROUP = 128
 MATH_THREADS = 2 * WARPGROUP     # the fused reverse kernel: two math warpgroups
@@ -177,8 +190,8 @@ def fwd_walk_kernel(H: int, HV: int):
 
 
 def fused_reverse_kernel(H: int, HV: int):
-    """Per (row, value head): the chunks in reverse, every gradient of a chunk in one iteration
-    (the module doc's formulas)."""
+    """Per (row, value head, BV value columns): the chunks in reverse, every gradient of a chunk in
+    one iteration (the module doc's formulas); dq, dk, dbeta, dg are this column block's parts."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     BT, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
@@ -206,18 +219,18 @@ def fused_reverse_kernel(H: int, HV: int):
         dht: T.Tensor((num_ht, HV, K, V), "float32"),          # dL/d final state of each row
         use_dht: T.int32,
         scale: T.float32,
-        dq: T.Tensor((num_tokens, HV, K), "bfloat16"),         # per value head: the finish sums groups
-        dk: T.Tensor((num_tokens, HV, K), "bfloat16"),
+        dq_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),  # parts: the finish sums them
+        dk_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),
         dv: T.Tensor((num_tokens, HV, V), "bfloat16"),
-        dbeta: T.Tensor((num_tokens, HV), "float32"),
-        dg: T.Tensor((num_tokens, HV), "float32"),
+        dbeta_p: T.Tensor((NVT, num_tokens, HV), "float32"),
+        dg_p: T.Tensor((NVT, num_tokens, HV), "float32"),
         dh0: T.Tensor((num_dh0, HV, K, V), "float32"),         # dL/d initial state of each row
         store_dh0: T.int32,
     ):
-        with T.Kernel(num_bounds - 1, HV, threads=MATH_THREADS) as (i_n, i_hv):
+        with T.Kernel(num_bounds - 1, HV, NVT, threads=MATH_THREADS) as (i_n, i_hv, i_v):
             i_h = i_hv // group
-            # scalars held in variables (TileLang would inline each expression at every use, and
-            # the 64-bit address arithmetic of the inlined copies spilled registers)
+            v0 = i_v * BV
+            # scalars held in variables (TileLang would inline each expression at every use)
             eos = T.alloc_var("int32")
             num_c = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
@@ -226,16 +239,16 @@ def fused_reverse_kernel(H: int, HV: int):
             eos = bounds[i_n + 1]
             num_c = T.ceildiv(eos - bounds[i_n], BT)
 
-            # the chunk's tiles; rows >= n zero
+            # the chunk's tiles (rows >= n zero); V-wide tiles hold this CTA's BV columns
             q_s = T.alloc_shared((BT, K), "bfloat16")          # Q, then -diag(exp g) K
             k_s = T.alloc_shared((BT, K), "bfloat16")
-            wd_s = T.alloc_shared((BT, K), "bfloat16")         # W, then dW = -dV~ S^T
-            do_s = T.alloc_shared((BT, V), "bfloat16")
-            vv_s = T.alloc_shared((BT, V), "bfloat16")         # V~, then V
+            wd_s = T.alloc_shared((BT, K), "bfloat16")         # W, then this block's dW = -dV~ S^T
+            do_s = T.alloc_shared((BT, BV), "bfloat16")
+            vv_s = T.alloc_shared((BT, BV), "bfloat16")        # V~, then V
+            x_s = T.alloc_shared((BT, BV), "bfloat16")         # dO' = scale diag(exp g) dO, then -dV~
             ai_s = T.alloc_shared((BT, BT), "bfloat16")
-            h_s = T.alloc_shared((K, V), "bfloat16")           # S
-            ds_s = T.alloc_shared((K, V), "bfloat16")          # dS' in bf16: operand
-            x_s = T.alloc_shared((BT, V), "bfloat16")          # dO' = scale diag(exp g) dO, then -dV~
+            h_s = T.alloc_shared((K, BV), "bfloat16")          # S
+            ds_s = T.alloc_shared((K, BV), "bfloat16")         # dS' in bf16: operand
             p_s = T.alloc_shared((BT, BT), "bfloat16")         # P^T, then dP, then dAi
             m_s = T.alloc_shared((BT, BT), "bfloat16")         # dAi Ai^T
             d_s = T.alloc_shared((BT, BT), "bfloat16")         # D = diag(beta) dA~
@@ -243,11 +256,16 @@ def fused_reverse_kernel(H: int, HV: int):
             #                                                    its transposed reads hit 32 banks)
             g_s = T.alloc_shared((BT,), "float32")             # log2(e) g_cum, rows >= n: the last real
             b_s = T.alloc_shared((BT,), "float32")             # beta, rows >= n: 0
-            dg_s = T.alloc_shared((BT,), "float32")            # dg_cum, then its reverse cumsum
-            s_f = T.alloc_fragment((K, V), "float32")          # dS', fp32, all along
-            x_f = T.alloc_fragment((BT, V), "float32")         # dV~, then each 64 x 128 product
-            dk_f = T.alloc_fragment((BT, K), "float32")        # dk of the chunk (this value head)
-            a_f = T.alloc_fragment((BT, BT), "float32")        # 64 x 64 products
+            dg_s = T.alloc_shared((BT,), "float32")            # dg_cum's dqkwg terms
+            last_s = T.alloc_shared((BT,), "float32")          # the terms of dg_C
+            cum_s = T.alloc_shared((BT,), "float32")           # dg_cum, then its reverse cumsum
+            r_s4 = T.alloc_shared((4, BT), "float32")          # the wy row sums r_e, r_et, r_k, r_v
+            dk_s = T.alloc_shared((BT, K), "float32")          # dk of the chunk (this block's part):
+            #                                                    in shared, no registers held across wy
+            s_f = T.alloc_fragment((K, BV), "float32")         # dS', fp32, all along
+            y_f = T.alloc_fragment((BT, BV), "float32")        # dV~, then the 64 x BV products
+            x_f = T.alloc_fragment((BT, K), "float32")         # the 64 x K products
+            a_f = T.alloc_fragment((BT, BT), "float32")        # the 64 x 64 products
             r_q = T.alloc_fragment((BT,), "float32")
             r_ki = T.alloc_fragment((BT,), "float32")
             r_kp = T.alloc_fragment((BT,), "float32")
@@ -260,7 +278,7 @@ def fused_reverse_kernel(H: int, HV: int):
 
             # dS' <- dht of the row (or 0)
             if use_dht != 0:
-                T.copy(dht[i_n, i_hv, :, :], s_f)
+                T.copy(dht[i_n, i_hv, :, v0:v0 + BV], s_f)
             else:
                 T.clear(s_f)
             for it in T.serial(num_c):
@@ -270,14 +288,14 @@ def fused_reverse_kernel(H: int, HV: int):
                 row = first_chunk[i_n] + num_c - 1 - it          # its row of h
                 T.sync_threads()  # the previous chunk's reads of every tile are done
                 # ---- loads: Q, K, W, dO, V~, Ai, g, beta (rows >= n zero), S = h[row]
-                T.copy(h[row, i_hv, :, :], h_s)
+                T.copy(h[row, i_hv, :, v0:v0 + BV], h_s)
                 for i, d in T.Parallel(BT, K):
                     q_s[i, d] = T.if_then_else(i < n, q[t0 + i, i_h, d], 0)
                     k_s[i, d] = T.if_then_else(i < n, k[t0 + i, i_h, d], 0)
                     wd_s[i, d] = T.if_then_else(i < n, w[t0 + i, i_hv, d], 0)
-                for i, d in T.Parallel(BT, V):
-                    do_s[i, d] = T.if_then_else(i < n, do[t0 + i, i_hv, d], 0)
-                    vv_s[i, d] = T.if_then_else(i < n, v_new[t0 + i, i_hv, d], 0)
+                for i, j in T.Parallel(BT, BV):
+                    do_s[i, j] = T.if_then_else(i < n, do[t0 + i, i_hv, v0 + j], 0)
+                    vv_s[i, j] = T.if_then_else(i < n, v_new[t0 + i, i_hv, v0 + j], 0)
                 for i, j in T.Parallel(BT, BT):
                     ai_s[i, j] = T.if_then_else(i < n, Ai[t0 + i, i_hv, j], 0)
                 for i in T.Parallel(BT):
@@ -287,11 +305,11 @@ def fused_reverse_kernel(H: int, HV: int):
                 # ---- the reverse walk step (s02's reverse role)
                 T.copy(s_f, ds_s)
                 # dO' <- scale diag(exp g) dO
-                for i, j in T.Parallel(BT, V):
+                for i, j in T.Parallel(BT, BV):
                     x_s[i, j] = do_s[i, j] * (scale * T.exp2(g_s[i]))
                 # X <- K dS';  dS <- exp(g_C) dS' + Q^T dO'
-                T.gemm(k_s, ds_s, x_f, clear_accum=True)
-                for d, j in T.Parallel(K, V):
+                T.gemm(k_s, ds_s, y_f, clear_accum=True)
+                for d, j in T.Parallel(K, BV):
                     s_f[d, j] = s_f[d, j] * T.exp2(g_s[BT - 1])
                 T.gemm(q_s, x_s, s_f, transpose_A=True)
                 # P^T[j, i] <- scale (K Q^T)[j, i] exp(g_i - g_j), j <= i < n
@@ -299,16 +317,16 @@ def fused_reverse_kernel(H: int, HV: int):
                 for j, i in T.Parallel(BT, BT):
                     p_s[j, i] = T.if_then_else((j <= i) & (i < n),
                                                scale * a_f[j, i] * T.exp2(g_s[i] - g_s[j]), 0)
-                # dV~ <- diag(exp(g_C - g)) X + P^T dO, rows >= n zero
-                for i, j in T.Parallel(BT, V):
-                    x_f[i, j] = x_f[i, j] * T.exp2(g_s[BT - 1] - g_s[i])
-                T.gemm(p_s, do_s, x_f)
-                for i, j in T.Parallel(BT, V):
-                    x_s[i, j] = T.if_then_else(i < n, -x_f[i, j], 0)   # -dV~ (bf16, as s02's dv2)
+                # dV~ <- diag(exp(g_C - g)) X + P^T dO;  -dV~ (bf16, as s02's dv2; rows >= n zero)
+                for i, j in T.Parallel(BT, BV):
+                    y_f[i, j] = y_f[i, j] * T.exp2(g_s[BT - 1] - g_s[i])
+                T.gemm(p_s, do_s, y_f)
+                for i, j in T.Parallel(BT, BV):
+                    x_s[i, j] = T.if_then_else(i < n, -y_f[i, j], 0)
                 # dS <- dS + W^T (-dV~)
                 T.gemm(wd_s, x_s, s_f, transpose_A=True)
 
-                # ---- chunk_bwd_dqkwg's part
+                # ---- chunk_bwd_dqkwg's part (this block's columns of the V contractions)
                 # dP <- scale (dO V~^T * Gamma), c <= i < n
                 T.gemm(do_s, vv_s, a_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BT):
@@ -324,45 +342,48 @@ def fused_reverse_kernel(H: int, HV: int):
                 T.gemm(p_s, k_s, x_f)
                 for i, d in T.Parallel(BT, K):
                     if i < n:
-                        dq[t0 + i, i_hv, d] = x_f[i, d]
+                        dq_p[i_v, t0 + i, i_hv, d] = x_f[i, d]
                 for i, d in T.Parallel(BT, K):
                     x_f[i, d] = x_f[i, d] * q_s[i, d]
                 T.reduce_sum(x_f, r_q, dim=1)
                 # dk <- diag(exp(g_C - g)) V~ dS'^T;  r_ki <- rows of it * K
                 T.gemm(vv_s, ds_s, x_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_f[i, d] = T.if_then_else(i < n, x_f[i, d] * T.exp2(g_s[BT - 1] - g_s[i]), 0)
-                    x_f[i, d] = dk_f[i, d] * k_s[i, d]
+                    dk_s[i, d] = T.if_then_else(i < n, x_f[i, d] * T.exp2(g_s[BT - 1] - g_s[i]), 0)
+                    x_f[i, d] = dk_s[i, d] * k_s[i, d]
                 T.reduce_sum(x_f, r_ki, dim=1)
                 # dk += dP^T Q;  r_kp <- rows of dP^T Q * K
                 T.gemm(p_s, q_s, x_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_f[i, d] = dk_f[i, d] + x_f[i, d]
+                    dk_s[i, d] = dk_s[i, d] + x_f[i, d]
                     x_f[i, d] = x_f[i, d] * k_s[i, d]
                 T.reduce_sum(x_f, r_kp, dim=1)
                 # r_s <- rows of S * dS' (rows d and d + 64 paired): <S, dS'> = sum r_s
-                for i, d in T.Parallel(BT, V):
-                    x_f[i, d] = (T.cast(h_s[i, d], "float32") * T.cast(ds_s[i, d], "float32")
-                                 + T.cast(h_s[i + BT, d], "float32") * T.cast(ds_s[i + BT, d], "float32"))
-                T.reduce_sum(x_f, r_s, dim=1)
-                # dg_C <- sum_i k_i.dk_i (V~ term) + exp(g_C) <S, dS'>
+                for i, j in T.Parallel(BT, BV):
+                    y_f[i, j] = (T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
+                                 + T.cast(h_s[i + BT, j], "float32") * T.cast(ds_s[i + BT, j], "float32"))
+                T.reduce_sum(y_f, r_s, dim=1)
+                # dg_cum <- q.dq - k.dk (to shared: no row sum stays live);
+                # dg_C <- sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
                 for i in T.Parallel(BT):
-                    dg_s[i] = r_ki[i] + T.exp2(g_s[BT - 1]) * r_s[i]
+                    dg_s[i] = r_q[i] - r_ki[i] - r_kp[i]
+                    last_s[i] = r_ki[i] + T.exp2(g_s[BT - 1]) * r_s[i]
                 dg_last[0] = 0
                 for i in T.serial(BT):
-                    dg_last[0] = dg_last[0] + dg_s[i]
+                    dg_last[0] = dg_last[0] + last_s[i]
 
                 # ---- wy_bwd's part: V replaces V~ in its buffer, -diag(exp g) K replaces Q
-                T.sync_threads()  # every read of V~, Q and dg_s above is done
-                for i, d in T.Parallel(BT, V):
-                    vv_s[i, d] = T.if_then_else(i < n, v[t0 + i, i_hv, d], 0)
+                T.sync_threads()  # every read of V~ and Q above is done
+                for i, j in T.Parallel(BT, BV):
+                    vv_s[i, j] = T.if_then_else(i < n, v[t0 + i, i_hv, v0 + j], 0)
+                for i, d in T.Parallel(BT, K):
                     q_s[i, d] = -k_s[i, d] * T.exp2(g_s[i])
                 # K K^T (fp32, for E below) in e_s
                 T.gemm(k_s, k_s, a_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BT):
                     e_s[i, j] = a_f[i, j]
                 # dAi <- (dW K^T) diag(beta exp g) + (dV~ V^T) diag(beta), strictly lower, rows < n:
-                # the sum of both products is -(dW (diag(exp g) K)^T + dV~ V^T), one accumulator
+                # the two products summed are -(dW (diag(exp g) K)^T + dV~ V^T), one accumulator
                 T.gemm(wd_s, q_s, a_f, transpose_B=True, clear_accum=True)
                 T.gemm(x_s, vv_s, a_f, transpose_B=True)
                 for i, j in T.Parallel(BT, BT):
@@ -379,57 +400,67 @@ def fused_reverse_kernel(H: int, HV: int):
                     a_f[i, j] = a_f[i, j] * e_s[i, j]
                     e_s[i, j] = b_s[i] * a_f[i, j]
                 T.reduce_sum(a_f, r_e, dim=1)
+                for i in T.Parallel(BT):
+                    r_s4[0, i] = r_e[i]
                 # r_et <- columns of diag(beta) E (rows of its transpose)
                 for i, j in T.Parallel(BT, BT):
                     a_f[i, j] = e_s[j, i]
                 T.reduce_sum(a_f, r_et, dim=1)
+                for i in T.Parallel(BT):
+                    r_s4[1, i] = r_et[i]
                 # dk += D K + D^T K
                 T.gemm(d_s, k_s, x_f, clear_accum=True)
                 T.gemm(d_s, k_s, x_f, transpose_A=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_f[i, d] = dk_f[i, d] + x_f[i, d]
+                    dk_s[i, d] = dk_s[i, d] + x_f[i, d]
                 # X <- Ai^T dW;  dk += diag(beta exp g) X;  r_k <- rows of X * K
                 T.gemm(ai_s, wd_s, x_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_f[i, d] = dk_f[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[i]))
+                    dk_s[i, d] = dk_s[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[i]))
                     x_f[i, d] = x_f[i, d] * k_s[i, d]
                 T.reduce_sum(x_f, r_k, dim=1)
+                for i in T.Parallel(BT):
+                    r_s4[2, i] = r_k[i]
                 for i, d in T.Parallel(BT, K):
                     if i < n:
-                        dk[t0 + i, i_hv, d] = dk_f[i, d]
+                        dk_p[i_v, t0 + i, i_hv, d] = dk_s[i, d]
                 # Y <- Ai^T dV~ = -(Ai^T (-dV~));  dv <- diag(beta) Y;  r_v <- rows of Y * V
-                T.gemm(ai_s, x_s, x_f, transpose_A=True, clear_accum=True)
-                for i, d in T.Parallel(BT, V):
-                    x_f[i, d] = -x_f[i, d]
-                for i, d in T.Parallel(BT, V):
+                T.gemm(ai_s, x_s, y_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    y_f[i, j] = -y_f[i, j]
+                for i, j in T.Parallel(BT, BV):
                     if i < n:
-                        dv[t0 + i, i_hv, d] = x_f[i, d] * b_s[i]
-                for i, d in T.Parallel(BT, V):
-                    x_f[i, d] = x_f[i, d] * vv_s[i, d]
-                T.reduce_sum(x_f, r_v, dim=1)
+                        dv[t0 + i, i_hv, v0 + j] = y_f[i, j] * b_s[i]
+                for i, j in T.Parallel(BT, BV):
+                    y_f[i, j] = y_f[i, j] * vv_s[i, j]
+                T.reduce_sum(y_f, r_v, dim=1)
+                for i in T.Parallel(BT):
+                    r_s4[3, i] = r_v[i]
 
-                # dbeta <- exp(g) r_k + r_v + r_e;  dg_cum <- q.dq - k.dk (+ dg_C at the last real
-                # row) + beta (exp(g) r_k + r_e) - r_et;  dg <- its reverse cumsum in the chunk
+                # (the row sums from shared: no fragment stays live across wy's products)
+                # dbeta <- exp(g) r_k + r_v + r_e;  dg_cum <- the dqkwg terms (+ dg_C at the last
+                # real row) + beta (exp(g) r_k + r_e) - r_et;  dg <- its reverse cumsum in the chunk
                 for i in T.Parallel(BT):
                     if i < n:
-                        dbeta[t0 + i, i_hv] = T.exp2(g_s[i]) * r_k[i] + r_v[i] + r_e[i]
-                    dg_s[i] = T.if_then_else(
+                        dbeta_p[i_v, t0 + i, i_hv] = T.exp2(g_s[i]) * r_s4[2, i] + r_s4[3, i] + r_s4[0, i]
+                    cum_s[i] = T.if_then_else(
                         i < n,
-                        r_q[i] - r_ki[i] - r_kp[i] + T.if_then_else(i == n - 1, dg_last[0], 0)
-                        + b_s[i] * (T.exp2(g_s[i]) * r_k[i] + r_e[i]) - r_et[i], 0)
-                T.cumsum(dg_s, dim=0, reverse=True)
+                        dg_s[i] + T.if_then_else(i == n - 1, dg_last[0], 0)
+                        + b_s[i] * (T.exp2(g_s[i]) * r_s4[2, i] + r_s4[0, i]) - r_s4[1, i], 0)
+                T.cumsum(cum_s, dim=0, reverse=True)
                 for i in T.Parallel(BT):
                     if i < n:
-                        dg[t0 + i, i_hv] = dg_s[i]
+                        dg_p[i_v, t0 + i, i_hv] = cum_s[i]
             # dh0 of the row <- dS
             if store_dh0 != 0:
-                T.copy(s_f, dh0[i_n, i_hv, :, :])
+                T.copy(s_f, dh0[i_n, i_hv, :, v0:v0 + BV])
 
     return gdn_bwd_fused_reverse
 
 
 def finish_kernel(H: int, HV: int):
-    """dq, dk [tokens, H, K] <- the sums of the per-value-head dq, dk over each GVA group (fp32)."""
+    """dq, dk [tokens, H, K] <- the sums of the parts over each GVA group and the column blocks
+    (fp32, one rounding); dg, dbeta [tokens, HV] <- the sums over the column blocks."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     BT, K = CHUNK_SIZE, HEAD_DIM
@@ -438,25 +469,37 @@ def finish_kernel(H: int, HV: int):
 
     @T.prim_func
     def gdn_bwd_finish_groups(
-        dq_v: T.Tensor((num_tokens, HV, K), "bfloat16"),
-        dk_v: T.Tensor((num_tokens, HV, K), "bfloat16"),
+        dq_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),
+        dk_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),
+        dbeta_p: T.Tensor((NVT, num_tokens, HV), "float32"),
+        dg_p: T.Tensor((NVT, num_tokens, HV), "float32"),
         dq: T.Tensor((num_tokens, H, K), "bfloat16"),
         dk: T.Tensor((num_tokens, H, K), "bfloat16"),
+        dbeta: T.Tensor((num_tokens, HV), "float32"),
+        dg: T.Tensor((num_tokens, HV), "float32"),
     ):
         with T.Kernel(T.ceildiv(num_tokens, BT), H, threads=WARPGROUP) as (i_t, i_h):
             a_f = T.alloc_fragment((BT, K), "float32")
             b_f = T.alloc_fragment((BT, K), "float32")
             T.clear(a_f)
             T.clear(b_f)
-            for j in T.unroll(group):  # the group's value heads in order: a fixed-order sum
-                for i, d in T.Parallel(BT, K):
-                    if i_t * BT + i < num_tokens:
-                        a_f[i, d] = a_f[i, d] + T.cast(dq_v[i_t * BT + i, i_h * group + j, d], "float32")
-                        b_f[i, d] = b_f[i, d] + T.cast(dk_v[i_t * BT + i, i_h * group + j, d], "float32")
+            # a fixed-order sum: column blocks, then the group's value heads in order
+            for i_v in T.unroll(NVT):
+                for j in T.unroll(group):
+                    for i, d in T.Parallel(BT, K):
+                        if i_t * BT + i < num_tokens:
+                            a_f[i, d] = a_f[i, d] + T.cast(dq_p[i_v, i_t * BT + i, i_h * group + j, d], "float32")
+                            b_f[i, d] = b_f[i, d] + T.cast(dk_p[i_v, i_t * BT + i, i_h * group + j, d], "float32")
             for i, d in T.Parallel(BT, K):
                 if i_t * BT + i < num_tokens:
                     dq[i_t * BT + i, i_h, d] = a_f[i, d]
                     dk[i_t * BT + i, i_h, d] = b_f[i, d]
+            for i, j in T.Parallel(BT, group):
+                if i_t * BT + i < num_tokens:
+                    dbeta[i_t * BT + i, i_h * group + j] = functools.reduce(
+                        operator.add, [dbeta_p[i_v, i_t * BT + i, i_h * group + j] for i_v in range(NVT)])
+                    dg[i_t * BT + i, i_h * group + j] = functools.reduce(
+                        operator.add, [dg_p[i_v, i_t * BT + i, i_h * group + j] for i_v in range(NVT)])
 
     return gdn_bwd_finish_groups
 
@@ -540,17 +583,18 @@ def run(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqle
         v_new = torch.empty(B * T, HV, V, **bf16)
         with nvtx_range("gdn_bwd.s04.fwd_walk"):
             _fwd_walk(H, HV)(k_flat, w, u, g_cum, bounds, rows_first, h_rows, use_h0, h, v_new)
-        dq_v, dk_v = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, K, **bf16)
+        dq_p, dk_p = torch.empty(NVT, B * T, HV, K, **bf16), torch.empty(NVT, B * T, HV, K, **bf16)
+        dbeta_p, dg_p = torch.empty(NVT, B * T, HV, **fp32), torch.empty(NVT, B * T, HV, **fp32)
         dv = torch.empty(B * T, HV, V, **bf16)
-        dbeta, dg = torch.empty(B * T, HV, **fp32), torch.empty(B * T, HV, **fp32)
         dh0_rows = torch.empty(S, HV, K, V, **fp32) if initial_state is not None else stand_in
         with nvtx_range("gdn_bwd.s04.fused_reverse"):
             _fused(H, HV)(q_flat, k_flat, v_flat, w, v_new, do_flat, Ai, g_cum, beta_flat, h, bounds,
-                          rows_first, dht_rows, use_dht, scale, dq_v, dk_v, dv, dbeta, dg, dh0_rows,
+                          rows_first, dht_rows, use_dht, scale, dq_p, dk_p, dv, dbeta_p, dg_p, dh0_rows,
                           int(initial_state is not None))
         dq, dk = torch.empty(B * T, H, K, **bf16), torch.empty(B * T, H, K, **bf16)
+        dbeta, dg = torch.empty(B * T, HV, **fp32), torch.empty(B * T, HV, **fp32)
         with nvtx_range("gdn_bwd.s04.finish"):
-            _finish(H, HV)(dq_v, dk_v, dq, dk)
+            _finish(H, HV)(dq_p, dk_p, dbeta_p, dg_p, dq, dk, dbeta, dg)
     if initial_state is None:
         dh0 = None
     else:
