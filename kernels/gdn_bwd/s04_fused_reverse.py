@@ -52,8 +52,10 @@ product (synchronous ``T.gemm`` on wgmma, each warpgroup half the columns or row
 masked plain loads, no producer, no mbarriers, no setmaxnreg; ``__syncthreads`` only (TileLang's,
 and one a chunk before the loads). dS is 32 fp32 registers a thread. The chunk's dk and the wy row
 sums live in shared memory, not registers, across the wy part (with them in registers the kernel
-spilled 152 bytes a thread); compiled for sm_90a at (16, 32): 255 registers, 8 bytes of stack
-(two loop-invariant offsets, reloaded once a chunk), 195 KiB of shared memory, one CTA an SM.
+spilled 152 bytes a thread). Compiled for sm_90a (``cuobjdump -res-usage``): 255 registers and 8
+bytes of stack at every public head layout but the group-3 ones, (8, 24) and (16, 48), with 32 and
+40 (loop-invariant offsets spilled before the loop, reloaded a few times a chunk); about 196 KiB
+of shared memory, one CTA an SM.
 Shared buffers are reused by hand along the iteration: W's holds dW once the dS step has read W;
 V~'s holds V once dk's V~ term is done; Q's holds -diag(exp g) K in the wy part; one 64 x 64
 buffer holds dO' and then -dV~; one 64 x 64 holds P^T, then dP, then dAi. The forward walk: s02's
