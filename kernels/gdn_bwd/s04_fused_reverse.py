@@ -574,7 +574,8 @@ def run(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqle
             use_h0, use_dht = int(initial_state is not None), int(dht is not None)
         else:  # the segment rows, from s03's segment states and gradients
             bounds, rows_first, S = p.bounds, p.first_chunk, p.bounds.shape[0] - 1
-            h0 = initial_state.to(**fp32).contiguous() if initial_state is not None else torch.zeros(N, HV, K, V, **fp32)
+            h0 = (initial_state.to(**fp32).contiguous() if initial_state is not None
+                  else torch.zeros(N, HV, K, V, **fp32))
             with nvtx_range("gdn_bwd.s04.segment_states"):
                 h_rows, solve = S03.segment_states(p, k_flat, v_flat, g_flat, beta_flat, h0, seqs, NT)
             with nvtx_range("gdn_bwd.s04.segment_grads"):
