@@ -50,16 +50,17 @@ are in a fixed order, the step is graph-capturable and bitwise deterministic.
 Threads, barriers, budgets. The reverse kernel: two math warpgroups (256 threads) share every
 product (synchronous ``T.gemm`` on wgmma, each warpgroup half the columns or rows); tiles come by
 masked plain loads, no producer, no mbarriers, no setmaxnreg; ``__syncthreads`` only (TileLang's,
-and one a chunk before the loads). dS is 32 fp32 registers a thread. The chunk's dk and the wy row
-sums live in shared memory, not registers, across the wy part (with them in registers the kernel
-spilled 152 bytes a thread). Compiled for sm_90a (``cuobjdump -res-usage``): 255 registers and 8
-bytes of stack at every public head layout but the group-3 ones, (8, 24) and (16, 48), with 32 and
-40 (loop-invariant offsets spilled before the loop, reloaded a few times a chunk); about 196 KiB
-of shared memory, one CTA an SM.
+and one a chunk before the loads). Registers: dS (32 fp32 a thread) lives in registers during the
+walk step only and in shared memory (``sf_s``) through the dqkwg and wy parts; the chunk's dk
+between its products and the wy row sums are in shared memory too. With all three in registers
+the kernel used 255 registers and spilled 152 bytes a thread; now, compiled for sm_90a
+(``cuobjdump -res-usage``), 248-254 registers and no stack or local memory at every public head
+layout. 220 KiB of shared memory (224,768 bytes with the barrier's), one CTA an SM.
 Shared buffers are reused by hand along the iteration: W's holds dW once the dS step has read W;
 V~'s holds V once dk's V~ term is done; Q's holds -diag(exp g) K in the wy part; one 64 x 64
-buffer holds dO' and then -dV~; one 64 x 64 holds P^T, then dP, then dAi. The forward walk: s02's
-consumer / producer pair (TMA tiles in two stages, bar_full / bar_empty), 156 registers, no spills.
+buffer holds dO' and then -dV~; one holds P^T, then dP, then dAi; one M = dAi Ai^T, then D. The
+forward walk: s02's consumer / producer pair (TMA tiles in two stages, bar_full / bar_empty), 156
+registers, no spills.
 
 Expected effect (not yet measured on the GPU): the reverse role, chunk_bwd_dqkwg and wy_bwd become
 one launch, and the dh / dV~ / dw round trips and the v_new, h and dk / dg-half re-reads go away.
@@ -252,8 +253,7 @@ def fused_reverse_kernel(H: int, HV: int):
             h_s = T.alloc_shared((K, BV), "bfloat16")          # S
             ds_s = T.alloc_shared((K, BV), "bfloat16")         # dS' in bf16: operand
             p_s = T.alloc_shared((BT, BT), "bfloat16")         # P^T, then dP, then dAi
-            m_s = T.alloc_shared((BT, BT), "bfloat16")         # dAi Ai^T
-            d_s = T.alloc_shared((BT, BT), "bfloat16")         # D = diag(beta) dA~
+            d_s = T.alloc_shared((BT, BT), "bfloat16")         # M = dAi Ai^T, then D = diag(beta) dA~
             e_s = T.alloc_shared((BT, BT + 1), "float32")      # K K^T, then diag(beta) E (odd rows:
             #                                                    its transposed reads hit 32 banks)
             g_s = T.alloc_shared((BT,), "float32")             # log2(e) g_cum, rows >= n: the last real
@@ -262,6 +262,8 @@ def fused_reverse_kernel(H: int, HV: int):
             last_s = T.alloc_shared((BT,), "float32")          # the terms of dg_C
             cum_s = T.alloc_shared((BT,), "float32")           # dg_cum, then its reverse cumsum
             r_s4 = T.alloc_shared((4, BT), "float32")          # the wy row sums r_e, r_et, r_k, r_v
+            sf_s = T.alloc_shared((K, BV), "float32")          # dS between the walk steps: its registers
+            #                                                    are free in the dqkwg and wy parts
             dk_s = T.alloc_shared((BT, K), "float32")          # dk of the chunk (this block's part):
             #                                                    in shared, no registers held across wy
             s_f = T.alloc_fragment((K, BV), "float32")         # dS', fp32, all along
@@ -270,7 +272,7 @@ def fused_reverse_kernel(H: int, HV: int):
             a_f = T.alloc_fragment((BT, BT), "float32")        # the 64 x 64 products
             r_q = T.alloc_fragment((BT,), "float32")
             r_ki = T.alloc_fragment((BT,), "float32")
-            r_kp = T.alloc_fragment((BT,), "float32")
+            r_kk = T.alloc_fragment((BT,), "float32")
             r_s = T.alloc_fragment((BT,), "float32")
             r_e = T.alloc_fragment((BT,), "float32")
             r_et = T.alloc_fragment((BT,), "float32")
@@ -280,9 +282,9 @@ def fused_reverse_kernel(H: int, HV: int):
 
             # dS' <- dht of the row (or 0)
             if use_dht != 0:
-                T.copy(dht[i_n, i_hv, :, v0:v0 + BV], s_f)
+                T.copy(dht[i_n, i_hv, :, v0:v0 + BV], sf_s)
             else:
-                T.clear(s_f)
+                T.clear(sf_s)
             for it in T.serial(num_c):
                 # chunk c = num_c - 1 - it: from the last one back
                 t0 = bounds[i_n] + (num_c - 1 - it) * BT         # its first token
@@ -305,6 +307,7 @@ def fused_reverse_kernel(H: int, HV: int):
                     b_s[i] = T.if_then_else(i < n, beta[t0 + i, i_hv], 0)
 
                 # ---- the reverse walk step (s02's reverse role)
+                T.copy(sf_s, s_f)
                 T.copy(s_f, ds_s)
                 # dO' <- scale diag(exp g) dO
                 for i, j in T.Parallel(BT, BV):
@@ -327,6 +330,7 @@ def fused_reverse_kernel(H: int, HV: int):
                     x_s[i, j] = T.if_then_else(i < n, -y_f[i, j], 0)
                 # dS <- dS + W^T (-dV~)
                 T.gemm(wd_s, x_s, s_f, transpose_A=True)
+                T.copy(s_f, sf_s)
 
                 # ---- chunk_bwd_dqkwg's part (this block's columns of the V contractions)
                 # dP <- scale (dO V~^T * Gamma), c <= i < n
@@ -348,18 +352,24 @@ def fused_reverse_kernel(H: int, HV: int):
                 for i, d in T.Parallel(BT, K):
                     x_f[i, d] = x_f[i, d] * q_s[i, d]
                 T.reduce_sum(x_f, r_q, dim=1)
+                # (dk_s is only written or only read in a loop: a loop doing both got a barrier
+                # per element from TileLang's sync pass)
                 # dk <- diag(exp(g_C - g)) V~ dS'^T;  r_ki <- rows of it * K
                 T.gemm(vv_s, ds_s, x_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_s[i, d] = T.if_then_else(i < n, x_f[i, d] * T.exp2(g_s[BT - 1] - g_s[i]), 0)
-                    x_f[i, d] = dk_s[i, d] * k_s[i, d]
+                    x_f[i, d] = T.if_then_else(i < n, x_f[i, d] * T.exp2(g_s[BT - 1] - g_s[i]), 0)
+                for i, d in T.Parallel(BT, K):
+                    dk_s[i, d] = x_f[i, d]
+                    x_f[i, d] = x_f[i, d] * k_s[i, d]
                 T.reduce_sum(x_f, r_ki, dim=1)
-                # dk += dP^T Q;  r_kp <- rows of dP^T Q * K
+                # dk += dP^T Q;  r_kk <- rows of dk * K (r_ki + r_kp, the dP^T Q term's)
                 T.gemm(p_s, q_s, x_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_s[i, d] = dk_s[i, d] + x_f[i, d]
+                    x_f[i, d] = x_f[i, d] + dk_s[i, d]
+                for i, d in T.Parallel(BT, K):
+                    dk_s[i, d] = x_f[i, d]
                     x_f[i, d] = x_f[i, d] * k_s[i, d]
-                T.reduce_sum(x_f, r_kp, dim=1)
+                T.reduce_sum(x_f, r_kk, dim=1)
                 # r_s <- rows of S * dS' (rows d and d + 64 paired): <S, dS'> = sum r_s
                 for i, j in T.Parallel(BT, BV):
                     y_f[i, j] = (T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
@@ -368,7 +378,7 @@ def fused_reverse_kernel(H: int, HV: int):
                 # dg_cum <- q.dq - k.dk (to shared: no row sum stays live);
                 # dg_C <- sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
                 for i in T.Parallel(BT):
-                    dg_s[i] = r_q[i] - r_ki[i] - r_kp[i]
+                    dg_s[i] = r_q[i] - r_kk[i]
                     last_s[i] = r_ki[i] + T.exp2(g_s[BT - 1]) * r_s[i]
                 dg_last[0] = 0
                 for i in T.serial(BT):
@@ -392,15 +402,16 @@ def fused_reverse_kernel(H: int, HV: int):
                     p_s[i, j] = T.if_then_else((j < i) & (i < n), -b_s[j] * a_f[i, j], 0)
                 # M <- dAi Ai^T;  dA~ <- -(Ai^T M) * Gamma, strictly lower, rows < n
                 T.gemm(p_s, ai_s, a_f, transpose_B=True, clear_accum=True)
-                T.copy(a_f, m_s)
-                T.gemm(ai_s, m_s, a_f, transpose_A=True, clear_accum=True)
+                T.copy(a_f, d_s)
+                T.gemm(ai_s, d_s, a_f, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BT):
                     a_f[i, j] = T.if_then_else((j < i) & (i < n), -a_f[i, j] * T.exp2(g_s[i] - g_s[j]), 0)
                 # D <- diag(beta) dA~;  E <- dA~ * K K^T;  r_e <- rows of E;  e_s <- diag(beta) E
                 for i, j in T.Parallel(BT, BT):
                     d_s[i, j] = b_s[i] * a_f[i, j]
                     a_f[i, j] = a_f[i, j] * e_s[i, j]
-                    e_s[i, j] = b_s[i] * a_f[i, j]
+                for i, j in T.Parallel(BT, BT):  # a loop of its own: e_s read and written in one
+                    e_s[i, j] = b_s[i] * a_f[i, j]  # got a barrier per element from TileLang
                 T.reduce_sum(a_f, r_e, dim=1)
                 for i in T.Parallel(BT):
                     r_s4[0, i] = r_e[i]
@@ -410,22 +421,23 @@ def fused_reverse_kernel(H: int, HV: int):
                 T.reduce_sum(a_f, r_et, dim=1)
                 for i in T.Parallel(BT):
                     r_s4[1, i] = r_et[i]
-                # dk += D K + D^T K
-                T.gemm(d_s, k_s, x_f, clear_accum=True)
-                T.gemm(d_s, k_s, x_f, transpose_A=True)
-                for i, d in T.Parallel(BT, K):
-                    dk_s[i, d] = dk_s[i, d] + x_f[i, d]
-                # X <- Ai^T dW;  dk += diag(beta exp g) X;  r_k <- rows of X * K
+                # X <- Ai^T dW;  r_k <- rows of X * K
                 T.gemm(ai_s, wd_s, x_f, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(BT, K):
-                    dk_s[i, d] = dk_s[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[i]))
                     x_f[i, d] = x_f[i, d] * k_s[i, d]
                 T.reduce_sum(x_f, r_k, dim=1)
                 for i in T.Parallel(BT):
                     r_s4[2, i] = r_k[i]
+                # dk <- dk + diag(beta exp g) X + D K + D^T K (X again: one more 64 x K x 64
+                # product instead of a second 64 x K fragment)
+                T.gemm(ai_s, wd_s, x_f, transpose_A=True, clear_accum=True)
+                for i, d in T.Parallel(BT, K):
+                    x_f[i, d] = x_f[i, d] * (b_s[i] * T.exp2(g_s[i])) + dk_s[i, d]
+                T.gemm(d_s, k_s, x_f)
+                T.gemm(d_s, k_s, x_f, transpose_A=True)
                 for i, d in T.Parallel(BT, K):
                     if i < n:
-                        dk_p[i_v, t0 + i, i_hv, d] = dk_s[i, d]
+                        dk_p[i_v, t0 + i, i_hv, d] = x_f[i, d]
                 # Y <- Ai^T dV~ = -(Ai^T (-dV~));  dv <- diag(beta) Y;  r_v <- rows of Y * V
                 T.gemm(ai_s, x_s, y_f, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
@@ -453,9 +465,10 @@ def fused_reverse_kernel(H: int, HV: int):
                 for i in T.Parallel(BT):
                     if i < n:
                         dg_p[i_v, t0 + i, i_hv] = cum_s[i]
-            # dh0 of the row <- dS
+            # dh0 of the row <- dS (a row without chunks: dht, written above by other threads)
+            T.sync_threads()
             if store_dh0 != 0:
-                T.copy(s_f, dh0[i_n, i_hv, :, v0:v0 + BV])
+                T.copy(sf_s, dh0[i_n, i_hv, :, v0:v0 + BV], annotations={"disable_tma": True})
 
     return gdn_bwd_fused_reverse
 
