@@ -154,7 +154,7 @@ def compiled():
 @pytest.mark.hopper
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
 @pytest.mark.parametrize("cp", [2, False], ids=["cp_2", "cp_off"])
-def test_stage_matches_reference(problem, cp, compiled):
+def test_fused_matches_reference(problem, cp, compiled):
     check_op("gdn_bwd", functools.partial(S04.run, cp=cp), gpu_inputs(problem))
 
 
