@@ -258,7 +258,8 @@ def _gpu_errors(lengths, layout, device):
             _run(x, do, dht, idx, cp_context=ctx)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message)[:200] for w in seen if "synchroniz" in str(w.message)]
+    syncs = [str(w.message)[:200] for w in seen      # not the mode's own "prototype feature" notice
+             if "called a synchronizing CUDA operation" in str(w.message)]
     got = runs[0]
     for i in (1, 7):                                              # final state, dh0: rows summed
         dist.all_reduce(got[i])
@@ -345,14 +346,16 @@ def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
     out = tmp_path / "errors.json"
     mp.start_processes(_gpu_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
                        start_method="spawn")
+    failures = []                  # every case printed and checked before the test fails
     for (layout, lengths), errs in zip(GPU_CASES[world], json.loads(out.read_text())):
         label = f"{world} ranks, {layout}, {lengths}"
         print(label, json.dumps(errs))
         bitwise, syncs = errs.pop("bitwise"), errs.pop("host_syncs")
         bad = {n: e for n, e in errs.items() if max(e["vs_f64"], e["vs_library"]) > e["bound"]}
-        assert not bad, (label, bad)
-        assert bitwise, f"{label}: two runs differ"
-        assert not syncs, (label, syncs)
+        failures += [(label, "beyond the bound", bad)] if bad else []
+        failures += [] if bitwise else [(label, "two runs differ")]
+        failures += [(label, "host syncs", syncs)] if syncs else []
+    assert not failures, failures
 
 
 # ---- one rank, in process
