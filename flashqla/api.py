@@ -8,7 +8,9 @@ sequence lengths, with AutoCP's split where it pays) and the backward of ``flash
 saves only the inputs, the backward recomputes the forward's intermediates, and gradients reach
 every input, ``initial_state`` included). Every other call (CPU tensors, other GPUs, float16,
 float32, float64, other head dims) runs the chunked PyTorch reference (``flashqla.reference``) in
-float32 (float64 for float64 inputs) on the inputs' device, forward and backward.
+float32 (float64 for float64 inputs) on the inputs' device, forward and backward; so does the
+backward alone of a head layout whose backward kernels do not compile (``backward_unsupported``:
+TileLang 0.1.15 cannot map the finish kernel for 3, 5, 6 or 12 query/key heads).
 
 The switch: the environment variable FLASHQLA_BACKEND, read at every call.
 
@@ -274,6 +276,25 @@ def use_kernels(q: Tensor, v: Tensor) -> bool:
     return False
 
 
+def backward_unsupported(H: int, HV: int) -> str | None:
+    """None when the backward's kernels compile for H query/key and HV value heads, else why not
+    (``flashqla.bwd.unsupported``: compiled once a head layout)."""
+    _, bwd = _kernel_modules()
+    return bwd.unsupported(H, HV)
+
+
+def backward_on_kernels(q: Tensor, v: Tensor) -> bool:
+    """``use_kernels``, and the backward's kernels compile for q's and v's head counts; where they
+    do not, the reference runs the backward, with use_kernels' warning (its error under
+    FLASHQLA_BACKEND=kernels)."""
+    if not use_kernels(q, v):
+        return False
+    reason = backward_unsupported(q.shape[2], v.shape[2])
+    if reason is not None:
+        _fall_back(backend(), reason)
+    return reason is None
+
+
 def _fall_back(choice: str, reason: str) -> None:
     """The reference runs a call the kernels cannot: a RuntimeError under FLASHQLA_BACKEND=kernels,
     a warning once per reason under auto."""
@@ -389,7 +410,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
     """The gradients of <do, o> + <dht, final state>: dq, dk, dv, dg, dbeta in their inputs' dtypes,
     dh0 in initial_state's (empty without it)."""
     with _no_autocast(q.device):
-        if use_kernels(q, v):
+        if backward_on_kernels(q, v):
             grads = _kernel_backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens)
         else:
             with nvtx_range("bwd.reference"):

@@ -700,6 +700,22 @@ def _compiled(builder, *shape):
     return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
 
 
+@cache_once
+def unsupported(H: int, HV: int) -> str | None:
+    """None when every kernel of the backward compiles for H query/key heads and HV value heads,
+    else why not, from TileLang's error (compiled once a head layout; the finish first: TileLang
+    0.1.15 cannot map its [64, H, 128] loop for H = 3, 5, 6 or 12)."""
+    try:
+        for builder, *rest in ((finish_kernel,), (prep_kernel,), (walk_kernel, BV),
+                               (chunk_bwd_dqkwg_kernel,), (wy_bwd_kernel,)):
+            _compiled(builder, H, HV, *rest)
+    except Exception as exc:  # noqa: BLE001 -- TileLang's lowering errors share no type
+        why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        return (f"the backward's kernels do not compile for {H} query/key heads and {HV} value heads "
+                f"({builder.__name__}: {type(exc).__name__}: {why})")
+    return None
+
+
 def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
     """Checked API inputs (bf16 q, k, v; K = V = 128), do [B, T, HV, V], dht [N, HV, K, V] or None
     -> (dq, dk [B, T, H, K] bf16, dv [B, T, HV, V] bf16, dg, dbeta [B, T, HV] fp32,

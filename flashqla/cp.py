@@ -329,11 +329,12 @@ class LocalPasses:
     host_bounds: bool
 
 
-def local_passes(q: Tensor, v: Tensor) -> LocalPasses:
+def local_passes(q: Tensor, v: Tensor, training: bool) -> LocalPasses:
     """The kernels where they run this call (``api.use_kernels``: FLASHQLA_BACKEND and
-    ``kernel_unsupported``), else the reference in float32 (float64 for float64 inputs)."""
+    ``kernel_unsupported``; in ``training``, ``api.backward_on_kernels``: the backward's kernels
+    compile for these heads too), else the reference in float32 (float64 for float64 inputs)."""
     from flashqla import api
-    if api.use_kernels(q, v):
+    if api.backward_on_kernels(q, v) if training else api.use_kernels(q, v):
         return LocalPasses(api._kernel_forward, api._kernel_backward, host_bounds=False)
     return LocalPasses(api._reference, api._reference_backward, host_bounds=True)
 
@@ -464,9 +465,10 @@ def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: float, initial_state, ctx
     does both): -> (o [1, local T, HV, V] in v's dtype, final state [N, HV, K, V] in float32
     (float64 for float64 q) with this rank's rows), on the kernels or the reference
     (``local_passes``). Under torch.compile it runs eagerly (a graph break)."""
-    passes = local_passes(q, v)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (q, k, v, g, beta, initial_state)):
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (q, k, v, g, beta, initial_state))
+    passes = local_passes(q, v, training)
+    if training:
         return _Function.apply(q, k, v, g, beta, initial_state, scale, ctx, passes)
     o, final, _, _ = _forward((q, k, v, g, beta, scale), initial_state, ctx, passes)
     return o.to(v.dtype), final

@@ -93,6 +93,7 @@ def kernels_on_cpu(monkeypatch):
                                                   initial_state=initial_state, cu_seqlens=cu_seqlens)
 
     monkeypatch.setattr(flashqla.api, "kernel_unsupported", lambda *a: None)
+    monkeypatch.setattr(flashqla.api, "backward_unsupported", lambda H, HV: None)
     monkeypatch.setattr(flashqla.api, "_kernel_forward", reference_forward)
     monkeypatch.setattr(flashqla.api, "_kernel_backward", reference_backward)
     return calls
@@ -462,6 +463,51 @@ def test_backend_reference_never_runs_the_kernels(monkeypatch, kernels_on_cpu):
     assert kernels_on_cpu == {"forward": 1, "backward": 0}
 
 
+def test_backward_falls_back_where_its_kernels_do_not_compile(monkeypatch, kernels_on_cpu):
+    """A head layout whose backward kernels do not compile (``api.backward_unsupported``): the
+    forward stays on the kernels, the reference runs the backward with a one-time warning naming
+    the reason (the same gradients), and FLASHQLA_BACKEND=kernels raises with it."""
+    import flashqla.api
+
+    reason = "the backward's kernels do not compile for 1 query/key heads and 2 value heads (stand-in)"
+    monkeypatch.setattr(flashqla.api, "backward_unsupported", lambda H, HV: reason)
+    flashqla.api._warned.clear()
+    x = _f64()
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def grads():
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+        o, s = api(**{**x, **leaves})
+        (o.square().sum() + s.square().sum()).backward()
+        return [leaves[n].grad for n in names]
+
+    with pytest.warns(UserWarning, match=re.escape(f"running the PyTorch reference, because {reason}")):
+        got = grads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # once a reason
+        grads()
+    assert kernels_on_cpu == {"forward": 2, "backward": 0}
+    monkeypatch.setattr(flashqla.api, "backward_unsupported", lambda H, HV: None)
+    want = grads()                                        # the (stand-in) kernels' backward
+    assert kernels_on_cpu == {"forward": 3, "backward": 1}
+    assert all(rel_l2(a, b) < 1e-12 for a, b in zip(got, want))
+    monkeypatch.setattr(flashqla.api, "backward_unsupported", lambda H, HV: reason)
+    monkeypatch.setenv("FLASHQLA_BACKEND", "kernels")
+    with pytest.raises(RuntimeError, match=re.escape(f"cannot run this call: {reason}")):
+        grads()
+
+
+def test_backward_kernels_report_what_does_not_compile():
+    """TileLang 0.1.15 cannot map the backward's finish kernel for 3 query/key heads: the check
+    compiles it first (a few seconds here) and names the kernel and TileLang's error."""
+    from flashqla import bwd
+
+    reason = bwd.unsupported(3, 6)
+    assert reason is not None and reason.startswith(
+        "the backward's kernels do not compile for 3 query/key heads and 6 value heads (finish_kernel: ")
+    assert bwd.unsupported(3, 6) is reason                # once a layout
+
+
 def test_backend_value_is_checked(monkeypatch):
     monkeypatch.setenv("FLASHQLA_BACKEND", "triton")
     with pytest.raises(ValueError, match="FLASHQLA_BACKEND must be one of auto, kernels, reference; got 'triton'"):
@@ -556,6 +602,22 @@ def test_api_runs_the_promoted_kernels_and_trains(problem, compiled_kernels, mon
     checks = check_op("gdn_bwd", _api_grads, op_inputs("gdn_bwd", x))
     assert {c.output for c in checks} == {"dq", "dk", "dv", "dg", "dbeta"} | (
         {"dh0"} if problem.initial_state else set())
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_three_query_heads_train_on_the_reference_backward(monkeypatch):
+    """(3, 6): the forward on the kernels, the backward on the reference (its kernels do not
+    compile for 3 query/key heads) with its one-time warning; outputs and every gradient within
+    the derived tolerance, never a crash."""
+    import flashqla.api
+
+    monkeypatch.delenv("FLASHQLA_BACKEND", raising=False)
+    flashqla.api._warned.clear()
+    x = Problem(3, 6, (300, 77)).inputs("cuda")
+    check_op("gdn_fwd", api, x)
+    with pytest.warns(UserWarning, match="do not compile for 3 query/key heads"):
+        check_op("gdn_bwd", _api_grads, op_inputs("gdn_bwd", x))
 
 
 @pytest.mark.gpu

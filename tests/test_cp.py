@@ -114,6 +114,7 @@ def _as_kernel(fn):
 # orchestration (device int32 bounds) with the reference in the kernels' place.
 VARIANTS = {"exact": ({}, NAMES),
             "kernel path": ({flashqla.api: {"use_kernels": lambda q, v: True,
+                                            "backward_unsupported": lambda H, HV: None,
                                             "_kernel_forward": _as_kernel(flashqla.api._reference),
                                             "_kernel_backward": _as_kernel(flashqla.api._reference_backward)}},
                             NAMES),
