@@ -877,7 +877,7 @@ def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str) ->
                             round(exchange, 3) if impl == API_ROW and world > 1 else ""))
                     except Exception as exc:  # noqa: BLE001 -- e.g. out of memory on one GPU: said why
                         row.update(ms="", method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()   # the next impl gets this one's cached blocks back
                     if rank == 0:
                         print(time.strftime("%X"), row, flush=True)
                         with open(out, "a") as f:
