@@ -352,11 +352,13 @@ def test_rule_force():
 
 # ---- the stage's contract ---------------------------------------------------------------------
 
-def test_stage_contract():
-    params = list(inspect.signature(S03.run).parameters)
+def check_segmented_stage_contract(stage):
+    """A gdn_bwd stage on AutoCP's segments (s03 and later): the reference's parameters and `cp`,
+    the hopper need, its source markers, and a clear ValueError for each bad argument."""
+    params = list(inspect.signature(stage.run).parameters)
     want = list(inspect.signature(ref.chunk_gated_delta_rule_bwd_ref).parameters)
     assert params == want + ["cp"]
-    assert S03.NEEDS == ("hopper",) and S03.SOURCE_MUST_CONTAIN
+    assert stage.NEEDS == ("hopper",) and stage.SOURCE_MUST_CONTAIN
     x = op_inputs("gdn_bwd", Problem(2, 4, (70,), K=128, V=128).inputs())
     for name, change, message in [
             ("chunk_size", 32, "`chunk_size` must be 64"),
@@ -365,7 +367,11 @@ def test_stage_contract():
             ("v", torch.cat([x["v"]] * 2, 2)[:, :, :3], "multiple of the H = 2 heads of q; got HV = 3"),
             ("cp", "auto", "`cp` must be None, True, False or a segment length in chunks; got 'auto'")]:
         with pytest.raises(ValueError, match=message):
-            S03.run(**dict(x, **{name: change}))
+            stage.run(**dict(x, **{name: change}))
+
+
+def test_stage_contract():
+    check_segmented_stage_contract(S03)
 
 
 # ---- on the GPU -------------------------------------------------------------------------------

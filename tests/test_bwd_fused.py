@@ -11,8 +11,6 @@ not; bitwise equal from run to run; a CUDA-graph replay equals the eager call.
 """
 
 import functools
-import inspect
-import zlib
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from flashqla import autocp
 from flashqla import reference as ref
 from flashqla.stages import load
 from flashqla.testing import PUBLIC_HEADS, Problem, cast_floats, check_op, op_inputs, rel_l2, run_on_threads
+from test_bwd_autocp import GPU_PROBLEMS, check_segmented_stage_contract, gpu_inputs
 
 S04 = load("gdn_bwd", 4)
 F64 = torch.float64
@@ -114,33 +113,10 @@ def test_fused_chunk_formula_check_fails_without_a_term():
 
 
 def test_stage_contract():
-    params = list(inspect.signature(S04.run).parameters)
-    want = list(inspect.signature(ref.chunk_gated_delta_rule_bwd_ref).parameters)
-    assert params == want + ["cp"]
-    assert S04.NEEDS == ("hopper",) and S04.SOURCE_MUST_CONTAIN
-    x = op_inputs("gdn_bwd", Problem(2, 4, (70,), K=128, V=128).inputs())
-    for name, change, message in [
-            ("chunk_size", 32, "`chunk_size` must be 64"),
-            ("q", x["q"][..., :64], "`q` must have head dim K = 128"),
-            ("v", x["v"][..., :64], "`v` must have head dim V = 128"),
-            ("v", torch.cat([x["v"]] * 2, 2)[:, :, :3], "multiple of the H = 2 heads of q; got HV = 3"),
-            ("cp", "auto", "`cp` must be None, True, False or a segment length in chunks; got 'auto'")]:
-        with pytest.raises(ValueError, match=message):
-            S04.run(**dict(x, **{name: change}))
+    check_segmented_stage_contract(S04)
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
-
-GPU_PROBLEMS = [problem for H, HV in PUBLIC_HEADS for problem in (
-    Problem(H, HV, (1000,)),
-    Problem(H, HV, (1, 200, 777, 64, 130)),
-    Problem(H, HV, (333, 333), varlen=False, initial_state=False))]
-
-
-def gpu_inputs(problem, seed=None):
-    seed = zlib.crc32(problem.label.encode()) if seed is None else seed
-    return op_inputs("gdn_bwd", problem.inputs(device="cuda", seed=seed))
-
 
 @pytest.fixture(scope="module")
 def compiled():
