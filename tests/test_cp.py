@@ -4,6 +4,7 @@ single-process float64 run to 1e-10, and deliberately broken scans fail the same
 kernel path's orchestration runs on CPU too, the reference put in the kernels' place. The
 gpu-marked tests run the kernels over NCCL against the single-GPU library."""
 
+import datetime
 import functools
 import itertools
 import json
@@ -302,6 +303,47 @@ def _gpu_worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
+GRAPH_CASE = ("contiguous", (300, 3000, 796))   # a sequence spanning the two ranks, one on each
+
+
+def _graph_worker(rank, world, port, out):
+    """One rank: GRAPH_CASE's cp call, forward and backward, captured in one CUDA graph after two
+    eager calls on a side stream (torch.cuda.graph's warm-up); rank 0 writes each rank's verdict:
+    None when the replay gave the eager call's bits, else what went wrong."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # NVLink multicast off
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device(f"cuda:{rank}"), timeout=datetime.timedelta(seconds=120))
+    try:
+        layout, lengths = GRAPH_CASE
+        x, do, dht = _gpu_problem(lengths, f"cuda:{rank}")
+        ctx = cp.build_cp_context(x["cu_seqlens"], layout=layout)
+        idx = _shard(ctx).to(x["q"].device)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    eager = _run(x, do, dht, idx, cp_context=ctx)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = _run(x, do, dht, idx, cp_context=ctx)
+            graph.replay()
+            torch.cuda.synchronize()
+            verdict = None if all(torch.equal(a, b) for a, b in zip(captured, eager)) else \
+                "the replay differs from the eager call"
+        except Exception as exc:  # noqa: BLE001 -- reported by the test, not raised on one rank alone
+            verdict = f"{type(exc).__name__}: {exc}"[:300]
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, verdict)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(verdicts, f)
+    finally:
+        dist.destroy_process_group()
+
+
 def _rank_problems(lengths, layout, world):
     """The kernel problems the ranks of a case run: every shard (varlen, its pieces) and every
     piece alone (the boundary passes), as Problems, to compile before the ranks start."""
@@ -357,6 +399,18 @@ def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
         failures += [] if bitwise else [(label, "two runs differ")]
         failures += [(label, "host syncs", syncs)] if syncs else []
     assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_kernel_ranks_replay_in_a_cuda_graph(tmp_path, warm_kernels):
+    """The cp call over NCCL, forward and backward, captured in one CUDA graph on each of two ranks:
+    the replay gives the eager call's outputs and gradients bit for bit."""
+    out = tmp_path / "graph.json"
+    mp.start_processes(_graph_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert json.loads(out.read_text()) == [None, None]
 
 
 # ---- one rank, in process
