@@ -19,7 +19,7 @@ from flashqla import autocp
 from flashqla import reference as ref
 from flashqla.stages import load
 from flashqla.testing import PUBLIC_HEADS, Problem, cast_floats, check_op, op_inputs, rel_l2, run_on_threads
-from test_bwd_autocp import GPU_PROBLEMS, check_segmented_stage_contract, gpu_inputs
+from test_bwd_autocp import GPU_PROBLEMS, check_graph_replay, check_segmented_stage_contract, gpu_inputs
 
 S04 = load("gdn_bwd", 4)
 F64 = torch.float64
@@ -172,18 +172,4 @@ def test_cuda_graph_replay_equals_eager(problem, cp, compiled):
     B, T = x["q"].shape[:2]
     split = S04.S03.split_plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), x["q"].device, cp)
     assert (split is not None) == (cp is not False)
-    eager = S04.run(**x, cp=cp)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = S04.run(**x, cp=cp)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(captured, eager):
-        assert torch.equal(a, b)
-    x["do"].mul_(-1)                                                # new inputs, same tensors
-    graph.replay()
-    flipped = S04.run(**x, cp=cp)
-    torch.cuda.synchronize()
-    for a, b in zip(captured, flipped):
-        assert torch.equal(a, b)
+    check_graph_replay(S04, x, cp)
