@@ -63,7 +63,8 @@ or more, nor 8 x 4096 (the walk fills the SMs there).
 Measured effect (H100, one run, FLA and FlashQLA timed beside it, training step = the library's
 forward + this backward, CUDA graph replay; ``profiles/results/gdn_train_s03.csv``, commit
 a502c0e): the split problems got faster, the unsplit one did not move, and every one is still
-behind FlashQLA, whose backward is one fused reverse kernel (stage s04 is that idea).
+behind FlashQLA, whose backward is one fused, warp-specialized reverse kernel (s04 fused the
+reverse work without the warp roles and lost to this stage: 0.66-0.73x).
 
     problem          s02 ms  s03 ms  s03 / s02  FlashQLA ms  s03 vs FlashQLA  s03 vs FLA
     (2, 8) 1x8192     0.923   0.637    1.45x       0.426         0.67x          1.51x
@@ -76,7 +77,8 @@ measured bf16 roof) and 180 GB/s of compulsory bytes (6.1 % of the copy roof): l
 chains and HBM round trips, not a roof. The split cut the walks as planned; what is left is s02's
 five launches and their ~470 KiB of HBM traffic per (chunk, value head) (BACKWARD.md 4).
 
-Taught in: the lab log (backward AutoCP; BACKWARD.md 5, s03_autocp_walks).
+Taught in: the lab log (backward AutoCP; BACKWARD.md 5, s03_autocp_walks). Promoted: the library's
+backward (``flashqla/bwd.py``) runs this plan where the rule splits.
 """
 
 import functools

@@ -64,15 +64,28 @@ registers, no spills.
 
 Correctness: its GPU tests pass on an H100 (61 tests at commit 94273f8: float64 checks of every
 gradient on the public head layouts with segments forced and off, h0 / dht present and absent,
-bitwise determinism, CUDA graph replay equal to eager). Speed: not yet timed.
+bitwise determinism, CUDA graph replay equal to eager).
 
-Expected effect (until timed): the reverse role, chunk_bwd_dqkwg and wy_bwd become
-one launch, and the dh / dV~ / dw round trips and the v_new, h and dk / dg-half re-reads go away.
-The synchronous kernel has no overlap of loads and products, so per chunk it is likely slower
-than FlashQLA's 11.7 us per chunk per SM (BACKWARD.md 5 estimates 1.5-2x at first); the gain, if
-any, is on many-head problems and on split ones.
+Measured effect: slower than s03. One H100, commit ca60ad2, CUDA graph replay, a training step
+(the library's forward + the stage's backward), FLA and FlashQLA in the same run
+(``profiles/results/gdn_train_s04.csv``):
 
-Taught in: not yet (a lab-log stage until it is measured; BACKWARD.md 5, s04_fused_reverse).
+    problem           FLA ms  FlashQLA ms  s02 ms  s03 ms  s04 ms  s04/s03  s04/s02  vs FlashQLA
+    (2, 8) 1x8192     0.964   0.425        0.901   0.634   0.870   0.73x    1.04x    0.49x
+    (2, 8) 1x32768    3.823   1.117        3.420   1.882   2.833   0.66x    1.21x    0.39x
+
+(s02's column is the library's row, which ran s02 then.) Napkin math, (2, 8) 1x32768: s04's step
+does 51.5 TFLOP/s of useful work (6.9 % of the measured bf16 roof), s03's 77.6. Eager (no graph),
+s04 has fewer launches and wins at 1x8192 (1.00 ms against s03's 1.29) but not at 1x32768 (2.88
+against 1.93). Why slower: the fusion moves chunk_bwd_dqkwg's and wy_bwd's work, which s03 runs
+chunk-parallel over every chunk at once, into the sequential reverse walk: each CTA now does all
+of a chunk's gradient products, synchronously (loads, then products, no overlap), before its next
+dS step, and at 220 KiB of shared memory one CTA an SM runs. What it saves (HBM round trips) is
+not what bounds these problems (6-7 % of the copy roof). Lesson: a fused backward pays only when
+the walk's critical path is overlapped with the chunk-parallel work, by warp roles (BACKWARD.md 5,
+the warp-specialized pipeline), not by putting that work on the chain.
+
+Taught in: not taught (lab log: the fusion measured before the warp-specialized pipeline).
 """
 
 import functools
