@@ -41,7 +41,7 @@ Threads, barriers and budgets (registers and shared memory as the stages' docstr
   prep             WARPGROUP threads a (chunk row, value head): K K^T on wgmma, each lane pair a
                    column of Ai by forward substitution, w and u on wgmma; 109 registers
   dh_windows       WINDOW_THREADS a (backward slot, value head), UNROLL tokens a thread a step
-  dh_warmup        2 x WARPGROUP threads a (column tile, backward slot, value head), the walk's
+  dh_warmup        2 x WARPGROUP threads a (column tile, value head, backward slot), the walk's
                    roles and STAGES stages; 176 registers, 145 KiB of shared memory
   walk             2 x WARPGROUP threads a (sequence or segment row, value head, BV columns),
                    blockIdx.y the role, so both walks run side by side: a consumer warpgroup
@@ -62,16 +62,16 @@ longest sequence's chunks, or its CTA-chunks / SMs where it runs in waves (WALK_
 WARMUP_STEPS L (both warm-ups) + SEGMENT_STEPS a segment of the longest sequence (the two chains)
 + FIXED_STEPS (the solve, the windows, the launches), over the lengths of SEGMENT_LADDER (at most
 half the longest sequence) and L0, 2 L0 (L0: the shortest L whose walk fits one wave); it splits
-when the cheapest is below 1 / MIN_GAIN of the unsplit walk. The constants are assumed (gdn_bwd.
-s03's docstring). On 132 SMs: (2, 8) 1 x 8192 splits at L 16; 1 x 32768 of (2, 8), (4, 16) and
+when the cheapest is below 1 / MIN_GAIN of the unsplit walk. The constants are assumed, not
+measured (gdn_bwd.s03's docstring derives them). On 132 SMs: (2, 8) 1 x 8192 splits at L 16; 1 x 32768 of (2, 8), (4, 16) and
 (16, 16), and 28672 + 4096 of those, at L 32; nothing with 24 value heads or more, nor 8 x 4096.
 
-No launch reads a device value on the host, so a training step can be captured in a CUDA graph:
-h and dh get the chunk table's row count (``flashqla.varlen``; for varlen a bound, whose rows past
-the real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for them have no tokens,
-never reads); the split is decided from the lengths the host read once (``host_bounds``; inside a
-capture with none before, one sequence of all the tokens stands for them, and the plan is built
-on the device).
+No launch reads a device value on the host, so a training step can be captured in a CUDA graph
+after one eager call: h and dh get the chunk table's row count (``flashqla.varlen``; for varlen a
+bound, whose rows past the real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for
+them have no tokens, never reads), and the split is decided from the lengths that ``host_bounds``
+reads once per ``cu_seqlens`` tensor, as the forward does (inside a capture with no read before,
+one sequence of all the tokens stands for them, and the plan is built on the device).
 """
 
 import torch
