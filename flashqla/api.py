@@ -73,7 +73,9 @@ sequence lengths (the host read of ``cu_seqlens``), the head count and the SM co
 plan is built on the host and kept for those lengths. A segment's initial state is exact for
 heads whose gates decay slowly (or where a token breaks the bound's conditions); for the others
 it is wrong by at most exp(-10) times the norm of the state where its warm-up window starts (the
-bound FlashQLA uses). The backward recomputes whole sequences, without AutoCP.
+bound FlashQLA uses). The backward splits by its own rule (``flashqla.bwd``: where its state walks
+would leave SMs idle, e.g. (2, 8) at 8192 tokens), the segments' initial states as the forward's
+and their final-state gradients by the same bound, the windows walked in reverse.
 
 NaN and inf: inputs are not scanned (that would cost a pass over them and a host sync). A NaN or
 inf in q, k, v, g or beta at some token poisons, for the value heads that read it, the output of

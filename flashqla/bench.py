@@ -903,9 +903,9 @@ def _compile_cp_kernels(problems) -> None:
                  *((fwd, b, H, HV, 128, 128, bv)
                    for b in (fwd.fused_reform_kernel, fwd.fused_state_value_kernel, fwd.fused_state_in_registers_kernel)
                    for bv in (fwd.BLOCK_V, fwd.NARROW_BLOCK_V, fwd.NARROWEST_BLOCK_V)),
-                 (bwd, bwd.walk_kernel, H, HV, bwd.BV),
+                 (bwd, bwd.walk_kernel, H, HV, bwd.BV), (bwd, bwd.bwd_windows_kernel, HV),
                  *((bwd, b, H, HV) for b in (bwd.prep_kernel, bwd.chunk_bwd_dqkwg_kernel, bwd.wy_bwd_kernel,
-                                             bwd.finish_kernel))]
+                                             bwd.finish_kernel, bwd.dh_warmup_kernel))]
 
     def compile_one(job):
         try:

@@ -1,13 +1,29 @@
 """The backward that trains ``flashqla.chunk_gated_delta_rule`` on SM90: TileLang kernels, each a
-copy of the stage it was promoted from (gdn_bwd.s02, chunk_bwd_dqkwg.s01, wy_bwd.s01;
-``tests/test_promoted.py``: the same program, compiled with the same options). Like FLA's, it keeps
-nothing from the forward but its inputs and recomputes the rest. C = 64 tokens a chunk, K = V = 128,
-g = the chunk-local cumsum, Gamma_ij = exp(g_i - g_j). ``backward`` launches, in order, each in an
-NVTX range ``bwd.<name>``:
+copy of the stage it was promoted from (gdn_bwd.s02 and s03, chunk_bwd_dqkwg.s01, wy_bwd.s01), or
+the forward's own (``flashqla.fwd``); ``tests/test_promoted.py``: the same program, compiled with
+the same options. Like FLA's, it keeps nothing from the forward but its inputs and recomputes the
+rest. C = 64 tokens a chunk, K = V = 128, g = the chunk-local cumsum, Gamma_ij = exp(g_i - g_j).
+``backward`` launches, in order, each in an NVTX range ``bwd.<name>``:
 
   prep             g, k, v, beta -> g_cum, Ai = (I + StrictLower(diag(beta) K K^T * Gamma))^-1,
                    w = Ai diag(beta exp(g)) K, u = Ai diag(beta) V
-  walk             forward role: h[chunk] = S, V~ = U - W S,
+  -- split only (backward AutoCP: every sequence cut into segments of L chunks, ``split_plan``):
+  solve            the forward's ``fwd.solve``: g -> g_cum, the chunk table; k, beta -> the
+                   gate-free Ab and the gated flags, which the forward's warm-up reads
+  segment_states   the forward's ``fwd.segment_states`` (windows, warm-up, chain): h_j, the
+                   initial state of every segment row
+  dh_windows       per (backward slot, value head) its window from the segment's start
+                   (``flashqla.autocp.backward_windows``): a chunk or two for a decaying head, the
+                   whole segment, exact, where the decay stays above autocp.THRESHOLD or a token
+                   breaks the bound's conditions. Backward slot r N + n is segment J_n - r of
+                   sequence n: the reverse chain walks contiguous slots forward
+  dh_warmup        per backward slot and value head: dZ_j, the reverse walk from dS' = 0 over the
+                   window, and for exact heads M_j^T, the same walk from dS' = I with dO = 0
+  dh_chain         the forward's chain kernel on the backward slots: dht_{j-1} = dZ_j + M_j^T
+                   dht_j, from each sequence's dht back: dht_j of every segment row
+  --
+  walk             over the sequences, or over the segment rows from h_j and dht_j (then dh0 is
+                   each sequence's first row's). Forward role: h[chunk] = S, V~ = U - W S,
                    S <- exp(g_C) S + K^T diag(exp(g_C - g)) V~
                    reverse role, the chunks backwards: dh[chunk] = dS'; with dO' = scale diag(exp g)
                    dO and P^T = scale (K Q^T * Gamma^T, upper incl. diagonal),
@@ -17,16 +33,22 @@ NVTX range ``bwd.<name>``:
   wy_bwd           k, v, beta, Ai, dw, du = dV~ -> dk', dv, dbeta, dg_cum' (through w and u)
   finish           dg = the per-chunk reverse cumsum of dg_cum + dg_cum'; dk = dk + dk'
 
+A segment's chunks are its sequence's chunk-table rows, so h, dh, v_new and dV~ land where the
+chunk-parallel kernels read them, split or not.
+
 Threads, barriers and budgets (registers and shared memory as the stages' docstrings give them):
 
   prep             WARPGROUP threads a (chunk row, value head): K K^T on wgmma, each lane pair a
                    column of Ai by forward substitution, w and u on wgmma; 109 registers
-  walk             2 x WARPGROUP threads a (sequence, value head, BV columns), blockIdx.y the
-                   role, so both walks run side by side: a consumer warpgroup [0, WARPGROUP) holds
-                   S or dS' (K x BV fp32) in registers, a producer warpgroup TMA-loads k, w and u
-                   (forward) or k, q, w and dO (reverse) into STAGES stages, with the gates;
-                   bar_full and bar_empty per stage. 184 registers, 145 KiB of shared memory:
-                   one CTA an SM
+  dh_windows       WINDOW_THREADS a (backward slot, value head), UNROLL tokens a thread a step
+  dh_warmup        2 x WARPGROUP threads a (column tile, value head, backward slot), the walk's
+                   roles and STAGES stages; 176 registers, 145 KiB of shared memory
+  walk             2 x WARPGROUP threads a (sequence or segment row, value head, BV columns),
+                   blockIdx.y the role, so both walks run side by side: a consumer warpgroup
+                   [0, WARPGROUP) holds S or dS' (K x BV fp32) in registers, a producer
+                   warpgroup TMA-loads k, w and u (forward) or k, q, w and dO (reverse) into
+                   STAGES stages, with the gates; bar_full and bar_empty per stage. 184
+                   registers, 145 KiB of shared memory: one CTA an SM
   chunk_bwd_dqkwg  TWO_WG_THREADS a (chunk, key head): the group's value heads in turn, S and dS'
                    by TMA (barrier ``loaded``), dq and dk summed over the group in registers (no
                    atomics); 177 KB of shared memory, one CTA an SM
@@ -34,23 +56,46 @@ Threads, barriers and budgets (registers and shared memory as the stages' docstr
                    registers; about 136 KB of shared memory
   finish           WARPGROUP threads a chunk row
 
-No launch reads a device value on the host, so a training step can be captured in a CUDA graph: h
-and dh get the chunk table's row count (``flashqla.varlen``; for varlen a bound, whose rows past the
-real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for them have no tokens, never
-reads).
+When it splits (``segment_chunks``), in chunk steps of the walk. Unsplit, the walk takes the
+longest sequence's chunks, or its CTA-chunks / SMs where it runs in waves (WALK_LANES = 4 CTAs a
+(sequence, value head), one an SM). Split at L: L x its waves (4 HV CTAs a segment) +
+WARMUP_STEPS L (both warm-ups) + SEGMENT_STEPS a segment of the longest sequence (the two chains)
++ FIXED_STEPS (the solve, the windows, the launches), over the lengths of SEGMENT_LADDER (at most
+half the longest sequence) and L0, 2 L0 (L0: the shortest L whose walk fits one wave); it splits
+when the cheapest is below 1 / MIN_GAIN of the unsplit walk. The constants are assumed, not
+measured (gdn_bwd.s03's docstring derives them). On 132 SMs: (2, 8) 1 x 8192 splits at L 16; 1 x 32768 of (2, 8), (4, 16) and
+(16, 16), and 28672 + 4096 of those, at L 32; nothing with 24 value heads or more, nor 8 x 4096.
+
+No launch reads a device value on the host, so a training step can be captured in a CUDA graph
+after one eager call: h and dh get the chunk table's row count (``flashqla.varlen``; for varlen a
+bound, whose rows past the real chunks the walk never writes and chunk_bwd_dqkwg, whose CTAs for
+them have no tokens, never reads), and the split is decided from the lengths that ``host_bounds``
+reads once per ``cu_seqlens`` tensor, as the forward does (inside a capture with no read before,
+one sequence of all the tokens stands for them, and the plan is built on the device).
 """
 
 import torch
 
+from flashqla import autocp, fwd
 from flashqla.caches import cache_once
 from flashqla.fwd import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP
-from flashqla.hopper import compile_hopper
+from flashqla.hopper import compile_hopper, dependent_launch
 from flashqla.nvtx import nvtx_range
-from flashqla.varlen import chunk_table, seq_bounds
+from flashqla.varlen import chunk_table, host_bounds, seq_bounds
 
 BV = 64               # V columns of the state (forward walk) or of its gradient (reverse walk) per CTA
 STAGES = 2            # the walk's tile stages: chunk c + 1 loads while chunk c computes
 TWO_WG_THREADS = 256  # chunk_bwd_dqkwg, wy_bwd: two warpgroups, each owning half the columns
+WINDOW_THREADS = 256  # dh_windows: a token of the segment a thread ...
+UNROLL = 4            # ... four at once
+MAX_WINDOW = autocp.MAX_WARMUP_CHUNKS  # chunks a window may take before the head runs exactly
+# ---- the split rule (``segment_chunks``), in chunk steps of the walk; assumed, not measured
+WALK_LANES = 2 * (HEAD_DIM // BV)  # walk CTAs a (segment, value head): two roles x two column tiles
+SEGMENT_LADDER = (8, 16, 24, 32, 48, 64, 96, 128)
+WARMUP_STEPS = 1.6    # per chunk of a segment: the dh warm-up (1) and the forward's (0.6)
+SEGMENT_STEPS = 3.5   # per segment of the longest sequence: the two chains
+FIXED_STEPS = 15      # once: the solve, both windows kernels, the launches
+MIN_GAIN = 1.1        # a split must be predicted this much faster than the unsplit walk
 
 
 # ---- promoted from kernels/gdn_bwd/s02_fused_walks.py
@@ -689,26 +734,249 @@ def finish_kernel(H: int, HV: int):
     return gdn_bwd_finish
 
 
-# compile options beyond the target, as the stages use them. The walk: no shared-memory reuse (its
-# producer and consumer branches run at the same time; TileLang plans them as if one ran after the
-# other)
-PASS_CONFIGS = {walk_kernel: {"tl.disable_shared_memory_reuse": True}}
+# ---- promoted from kernels/gdn_bwd/s03_autocp_walks.py
+def bwd_windows_kernel(HV: int):
+    """The T.prim_func of ``flashqla.autocp.backward_windows`` for HV value heads, the bound's
+    conditions read as the forward's windows kernel reads them (g <= 0 and beta >= 0 a token; a
+    chunk the solve flagged gated, some beta ||k||^2 > 2): one CTA per (backward slot, head)."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    C, W = CHUNK_SIZE, MAX_WINDOW
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_bounds = T.dynamic("num_bounds")     # N + 1
+    num_slots = T.dynamic("num_slots")       # J N
+
+    @T.prim_func
+    def gdn_bwd_autocp_windows(
+        g: T.Tensor((num_tokens, HV), "float32"),              # per-token log decay
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        beta: T.Tensor((num_tokens, HV), "float32"),
+        gated: T.Tensor((num_chunks, HV), "int32"),            # the solve's: some beta ||k||^2 > 2
+        seqs: T.Tensor((num_bounds,), "int32"),                # token offsets of the sequences
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # chunk row of each sequence's chunk 0
+        row_of_slot: T.Tensor((num_slots,), "int32"),          # the plan's: slot n = first segment row
+        seg_chunks: T.int32,                                   # L
+        threshold: T.float64,
+        use_dht: T.int32,
+        win_start: T.Tensor((num_slots, HV), "int32"),
+        win_end: T.Tensor((num_slots, HV), "int32"),
+        exact: T.Tensor((num_slots, HV), "int32"),
+        dht_row: T.Tensor((num_slots,), "int32"),
+    ):
+        with T.Kernel(num_slots, HV, threads=WINDOW_THREADS) as (i_s, i_hv):
+            tx = T.get_thread_binding()
+            span = seg_chunks * C
+            dec_s = T.alloc_shared((2, W), "float64")          # [0]: chunk decays, [1]: their sums
+            flags_s = T.alloc_shared((2,), "int32")             # [0]: the bound fails; [1]: short
+            cum = T.alloc_local((1,), "float64")
+            # scalars held in variables (TileLang would inline each expression at every use)
+            i_n = T.alloc_var("int32")
+            r = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            count = T.alloc_var("int32")
+            j = T.alloc_var("int32")
+            s = T.alloc_var("int32")
+            e = T.alloc_var("int32")
+            real = T.alloc_var("int32")
+            i_n = i_s % (num_bounds - 1)
+            r = i_s // (num_bounds - 1)                         # backward slot r of sequence i_n
+            eos = seqs[i_n + 1]
+            count = T.max(T.ceildiv(eos - seqs[i_n], span), 1)  # the sequence's segments, J_n
+            j = count - r                                       # the segment this slot walks
+            warm = (r >= 1) & (j >= 1)
+            s = T.if_then_else(warm, seqs[i_n] + j * span, eos)
+            e = T.min(s + span, eos)
+            real = T.ceildiv(e - s, C)                          # the segment's chunks
+            w_max = T.min(real, W)
+
+            if tx < 2:
+                flags_s[tx] = 0
+            # dec_i <- log decay of the segment's chunk i (g_cum at its last real token)
+            if tx < W:
+                dec_s[0, tx] = T.if_then_else(warm & (tx < w_max),
+                                           T.Cast("float64", g_cum[T.max(T.min(s + C * (tx + 1), e) - 1, 0), i_hv]),
+                                           0.0)
+            T.sync_threads()
+            # bad <- a token of the segment with g > 0 or beta < 0 (or NaN: both comparisons fail
+            # on it), or a chunk of it flagged gated (beta ||k||^2 > 2)
+            if warm:
+                for it in T.serial(T.ceildiv(e - s, WINDOW_THREADS * UNROLL)):
+                    for u in T.unroll(UNROLL):
+                        t = s + (it * UNROLL + u) * WINDOW_THREADS + tx
+                        if t < e:
+                            if T.Not((g[t, i_hv] <= 0) & (beta[t, i_hv] >= 0)):
+                                flags_s[0] = 1
+                for it in T.serial(T.ceildiv(real, WINDOW_THREADS)):
+                    c = it * WINDOW_THREADS + tx
+                    if c < real:
+                        if gated[first_chunk[i_n] + j * seg_chunks + c, i_hv] != 0:
+                            flags_s[0] = 1
+            # cum_i <- the log decay of chunks 0..i, in float64 as autocp.backward_windows sums it
+            if tx < W:
+                cum[0] = 0.0
+                for m in T.serial(W):
+                    if m <= tx:
+                        cum[0] = cum[0] + dec_s[0, m]
+                dec_s[1, tx] = cum[0]
+            T.sync_threads()
+            # short <- the chunks whose cumulative decay stays above the threshold (a prefix when
+            # g <= 0; when it is not, the bound fails and the head walks its whole segment anyway)
+            if tx < w_max:
+                if (dec_s[1, tx] > threshold) & ((tx + 1 == w_max) | (dec_s[1, T.min(tx + 1, W - 1)] <= threshold)):
+                    flags_s[1] = tx + 1
+            T.sync_threads()
+            if tx == 0:
+                whole = warm & ((flags_s[1] == w_max) | (flags_s[0] != 0))
+                end = T.if_then_else(warm, T.min(s + C * T.if_then_else(whole, real, flags_s[1] + 1), e), s)
+                win_start[i_s, i_hv] = s
+                win_end[i_s, i_hv] = end
+                exact[i_s, i_hv] = T.if_then_else(warm & (end == e) & ((e < eos) | (use_dht != 0)), 1, 0)
+                if i_hv == 0:
+                    dht_row[i_s] = T.if_then_else(r < count, row_of_slot[i_n] + count - 1 - r, -1)
+
+    return gdn_bwd_autocp_windows
+
+
+# ---- promoted from kernels/gdn_bwd/s03_autocp_walks.py
+def dh_warmup_kernel(H: int, HV: int):
+    """The T.prim_func of the dh warm-up for H key heads and HV value heads; any token or slot
+    count. Grid: (V + K) / BV column tiles per (backward slot, value head), V / BV of dZ, K / BV of
+    M^T; a tile walks the chunks of [win_start, win_end) from the last back, as s02's reverse role
+    (a consumer and a producer warpgroup, tiles by TMA in STAGES stages, mbarriers full / empty
+    per stage), from dS' = 0 (dZ) or, for an exact head, from dS' = I with dO = 0 (M^T). A tile with
+    nothing to walk (an M^T tile of a window head, an empty window) writes zeros, which the chain
+    reads as M = 0. Compiled for sm_90a: 176 registers a thread, no local memory (``cuobjdump
+    -res-usage``), 145 KiB of shared memory as s02's walk: one CTA an SM."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    BT, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
+    group = HV // H  # value head i_hv reads q/k head i_hv // group
+    num_tokens = T.dynamic("num_tokens")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def gdn_bwd_autocp_dh_warmup(
+        q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),
+        w: T.Tensor((num_tokens, HV, K), "bfloat16"),          # s02's prep: Ai diag(beta exp(g_cum)) K
+        do: T.Tensor((num_tokens, HV, V), "bfloat16"),         # dL/do
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        win_start: T.Tensor((num_slots, HV), "int32"),         # the segment's first token
+        win_end: T.Tensor((num_slots, HV), "int32"),           # where the walk starts from zero
+        exact: T.Tensor((num_slots, HV), "int32"),             # 1: M^T of the segment too
+        scale: T.float32,
+        dz: T.Tensor((num_slots, HV, K, V), "float32"),        # dZ: the gradient at the segment start
+        mt: T.Tensor((num_slots, HV, K, K), "float32"),        # M^T of the segment, 0 where not exact
+    ):
+        with T.Kernel((V + K) // BV, HV, num_slots, threads=2 * WARPGROUP) as (i_t, i_hv, i_s):
+            i_h = i_hv // group
+            is_z = i_t < V // BV                               # a tile of dZ (else of M^T)
+            take_m = (i_t >= V // BV) & (exact[i_s, i_hv] != 0)
+            c0 = (i_t % (V // BV)) * BV                        # its columns (K = V)
+            bos = win_start[i_s, i_hv]
+            eos = win_end[i_s, i_hv]
+            num_c = T.if_then_else(is_z | take_m, T.ceildiv(eos - bos, BT), 0)
+
+            # tile stages, producer -> consumer; g holds log2(e) g_cum, rows past the end padded
+            k_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
+            w_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
+            q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
+            x_s = T.alloc_shared((STAGES, BT, BV), "bfloat16")  # dO's columns c0.. (M^T tiles: unread)
+            g_s = T.alloc_shared((STAGES, BT), "float32")
+            # consumer only
+            s_s = T.alloc_shared((K, BV), "bfloat16")           # dS' in bf16: the operand
+            a_s = T.alloc_shared((BT, BV), "bfloat16")          # dO' (0 for M^T)
+            b_s = T.alloc_shared((BT, BV), "bfloat16")          # -dV~
+            s_f = T.alloc_fragment((K, BV), "float32")          # dS', fp32, all along
+            x_f = T.alloc_fragment((BT, BV), "float32")         # dV~
+            kq_f = T.alloc_fragment((BT, BT), "float32")        # K Q^T
+            p_f = T.alloc_fragment((BT, BT), "bfloat16")        # P^T (0 for M^T)
+            bar_full = T.alloc_barrier([WARPGROUP] * STAGES)    # producer -> consumer (+ TMA bytes)
+            bar_empty = T.alloc_barrier([WARPGROUP] * STAGES)   # consumer -> producer
+
+            tx = T.get_thread_binding()
+            if tx < WARPGROUP:  # ---- the consumer warpgroup: s02's reverse walk, no stores
+                # dS' <- 0 (dZ), or columns c0.. of I (M^T of an exact head)
+                for d, j in T.Parallel(K, BV):
+                    s_f[d, j] = T.if_then_else(take_m & (d == c0 + j), 1.0, 0.0)
+                for it in T.serial(num_c):
+                    c = num_c - 1 - it                           # chunks from the window's last back
+                    st = it % STAGES
+                    t0 = bos + c * BT
+                    n = T.min(eos - t0, BT)                      # real rows of the chunk, 1..64
+                    T.barrier_wait(bar_full[st], (it // STAGES) % 2)
+                    T.copy(s_f, s_s)
+                    # dO' <- scale diag(exp(g)) dO, rows >= n zeroed (M^T: 0)
+                    for i, j in T.Parallel(BT, BV):
+                        a_s[i, j] = T.if_then_else(is_z & (i < n), x_s[st, i, j] * (scale * T.exp2(g_s[st, i])), 0)
+                    # X <- K dS';  dS <- exp(g_C) dS' + Q^T dO';  B <- K Q^T: one wait for all
+                    for d, j in T.Parallel(K, BV):
+                        s_f[d, j] = s_f[d, j] * T.exp2(g_s[st, BT - 1])
+                    T.wgmma_gemm(k_s[st, :, :], s_s, x_f, clear_accum=True)
+                    T.wgmma_gemm(q_s[st, :, :], a_s, s_f, transpose_A=True)
+                    T.gemm(k_s[st, :, :], q_s[st, :, :], kq_f, transpose_B=True, clear_accum=True)
+                    # P^T[j, i] <- scale B[j, i] exp(g_i - g_j) for j <= i < n, else 0 (M^T: 0)
+                    for j, i in T.Parallel(BT, BT):
+                        p_f[j, i] = T.if_then_else(
+                            is_z & (j <= i) & (i < n), scale * kq_f[j, i] * T.exp2(g_s[st, i] - g_s[st, j]), 0)
+                    # dV~ <- diag(exp(g_C - g)) X + P^T dO   (64 x BV x 64, P^T from registers)
+                    for i, j in T.Parallel(BT, BV):
+                        x_f[i, j] = x_f[i, j] * T.exp2(g_s[st, BT - 1] - g_s[st, i])
+                    T.gemm(p_f, x_s[st, :, :], x_f)
+                    # -dV~ (rows >= n: 0) to shared for W^T
+                    for i, j in T.Parallel(BT, BV):
+                        b_s[i, j] = T.if_then_else(i < n, -x_f[i, j], 0)
+                    # dS <- dS + W^T (-dV~)   (K x BV x 64, wgmma, W read transposed)
+                    T.gemm(w_s[st, :, :], b_s, s_f, transpose_A=True)
+                    T.barrier_arrive(bar_empty[st])
+                if is_z:
+                    T.copy(s_f, dz[i_s, i_hv, :, c0:c0 + BV])
+                else:
+                    T.copy(s_f, mt[i_s, i_hv, :, c0:c0 + BV])
+            else:  # ---- the producer warpgroup: full 64-row boxes (rows >= n masked by the consumer)
+                for it in T.serial(num_c):
+                    st = it % STAGES
+                    t0 = bos + (num_c - 1 - it) * BT
+                    T.barrier_wait(bar_empty[st], (it // STAGES) % 2 ^ 1)
+                    T.tma_copy(k[t0:t0 + BT, i_h, :], k_s[st, :, :], barrier=bar_full[st])
+                    T.tma_copy(q[t0:t0 + BT, i_h, :], q_s[st, :, :], barrier=bar_full[st])
+                    T.tma_copy(w[t0:t0 + BT, i_hv, :], w_s[st, :, :], barrier=bar_full[st])
+                    T.tma_copy(do[t0:t0 + BT, i_hv, c0:c0 + BV], x_s[st, :, :], barrier=bar_full[st])
+                    for i in T.Parallel(BT):
+                        g_s[st, i] = g_cum[T.min(t0 + i, eos - 1), i_hv] * LOG2E
+                    T.barrier_arrive(bar_full[st])
+
+    return gdn_bwd_autocp_dh_warmup
+
+
+# compile options beyond the target, as the stages use them. The walk and the dh warm-up: no
+# shared-memory reuse (their producer and consumer branches run at the same time; TileLang plans
+# them as if one ran after the other)
+PASS_CONFIGS = {walk_kernel: {"tl.disable_shared_memory_reuse": True},
+                dh_warmup_kernel: {"tl.disable_shared_memory_reuse": True}}
+# programmatic dependents (``flashqla.hopper.dependent_launch``), as gdn_bwd.s03 compiles them: they
+# run among the forward's AutoCP kernels, which are
+DEPENDENT = (bwd_windows_kernel, dh_warmup_kernel)
 
 
 @cache_once  # threads: one compile per kernel (flashqla.caches)
 def _compiled(builder, *shape):
-    return compile_hopper(builder(*shape), PASS_CONFIGS.get(builder))
+    func = builder(*shape)
+    return compile_hopper(dependent_launch(func) if builder in DEPENDENT else func, PASS_CONFIGS.get(builder))
 
 
 @cache_once
 def unsupported(H: int, HV: int) -> str | None:
     """None when every kernel of the backward compiles for H query/key heads and HV value heads,
     else why not, from TileLang's error (compiled once a head layout; the finish first: TileLang
-    0.1.15 cannot map its [64, H, 128] loop for H = 3, 5, 6 or 12)."""
+    0.1.15 cannot map its [64, H, 128] loop for H = 3, 5, 6 or 12). The forward's kernels that a
+    split backward runs are the forward's concern."""
     try:
-        for builder, *rest in ((finish_kernel,), (prep_kernel,), (walk_kernel, BV),
-                               (chunk_bwd_dqkwg_kernel,), (wy_bwd_kernel,)):
-            _compiled(builder, H, HV, *rest)
+        for builder, *shape in ((finish_kernel, H, HV), (prep_kernel, H, HV), (walk_kernel, H, HV, BV),
+                                (chunk_bwd_dqkwg_kernel, H, HV), (wy_bwd_kernel, H, HV),
+                                (bwd_windows_kernel, HV), (dh_warmup_kernel, H, HV)):
+            _compiled(builder, *shape)
     except Exception as exc:  # noqa: BLE001 -- TileLang's lowering errors share no type
         why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
         return (f"the backward's kernels do not compile for {H} query/key heads and {HV} value heads "
@@ -716,10 +984,56 @@ def unsupported(H: int, HV: int) -> str | None:
     return None
 
 
-def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
+# ---- promoted from kernels/gdn_bwd/s03_autocp_walks.py (the split rule)
+def segment_chunks(seq_chunks: list[int], HV: int, num_sms: int, force: bool | int | None = None) -> int:
+    """The decision rule: chunks per segment L, or 0 for no split, from the sequences' chunk
+    counts (host integers); the module doc gives the costs. ``force``: False never splits, True
+    splits at the cheapest L (even where the unsplit walk is cheaper), an int is L."""
+    longest = max(seq_chunks, default=0)
+    if force is False or longest == 0:
+        return 0
+    if not isinstance(force, bool) and isinstance(force, int):
+        if force < 1:
+            raise ValueError(f"flashqla: `cp` as segment length must be >= 1 chunk; got {force}")
+        return force
+    lanes = WALK_LANES * HV
+
+    def segments(L):
+        return sum(-(-c // L) for c in seq_chunks)
+    L0, hi = autocp.MIN_SEGMENT_CHUNKS, max(autocp.MIN_SEGMENT_CHUNKS, longest)
+    while L0 < hi:  # segments shrink in count as L grows: bisect for the shortest L that fits
+        mid = (L0 + hi) // 2
+        L0, hi = (L0, mid) if lanes * segments(mid) <= num_sms else (mid + 1, hi)
+    lengths = ({L for L in SEGMENT_LADDER if 2 * L <= longest}
+               | {L for L in (L0, 2 * L0) if -(-longest // L) >= 2})
+    costs = [(L * -(-lanes * segments(L) // num_sms) + WARMUP_STEPS * L + SEGMENT_STEPS * -(-longest // L)
+              + FIXED_STEPS, L) for L in sorted(lengths)]
+    if force is True:
+        return min(costs)[1] if costs else max(1, longest // 2)
+    unsplit = max(longest, lanes * sum(seq_chunks) / num_sms)
+    best = min(costs, default=(unsplit, 0))
+    return best[1] if MIN_GAIN * best[0] < unsplit else 0
+
+
+def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp):
+    """The AutoCP plan (``autocp.Plan`` with ``slot_chunk``) or None, at ``segment_chunks``' L, from
+    the lengths the host knows (``host_bounds``, one read per ``cu_seqlens`` tensor; inside a
+    CUDA-graph capture with none before, one sequence of all the tokens stands for them);
+    ``fwd.segment_plan`` builds it (on the host, or on the device inside such a capture)."""
+    bounds = list(range(0, (B + 1) * T, T)) if cu_seqlens is None else host_bounds(cu_seqlens)
+    seq_chunks = ([-(-B * T // CHUNK_SIZE)] if bounds is None
+                  else [-(-(e - s) // CHUNK_SIZE) for s, e in zip(bounds, bounds[1:])])
+    L = segment_chunks(seq_chunks, HV, num_sms, cp)
+    return fwd.segment_plan(cu_seqlens, B, T, HV, num_sms, device, L, bounds)
+
+
+def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=None):
     """Checked API inputs (bf16 q, k, v; K = V = 128), do [B, T, HV, V], dht [N, HV, K, V] or None
     -> (dq, dk [B, T, H, K] bf16, dv [B, T, HV, V] bf16, dg, dbeta [B, T, HV] fp32,
-    dh0 [N, HV, K, V] fp32, None without initial_state): the gradients of <do, o> + <dht, final state>."""
+    dh0 [N, HV, K, V] fp32, None without initial_state): the gradients of <do, o> + <dht, final state>.
+
+    ``cp``: backward AutoCP's split (``segment_chunks``' ``force``): None decides, False never
+    splits, True splits by the rule, an int is the segment length in chunks."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
@@ -744,6 +1058,8 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
             dh0.copy_(dht_in if dht is not None else torch.zeros_like(dh0))
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
                 dbeta.view(B, T, HV), dh0)
+    sms = autocp.num_sms(device)
+    p = split_plan(cu_seqlens, B, T, HV, sms, device, cp)
     g_cum = torch.empty(B * T, HV, **fp32)
     Ai = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
     w, dw = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, K, **bf16)
@@ -754,12 +1070,53 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens):
     # the forward's intermediates, recomputed
     with nvtx_range("bwd.prep"):
         _compiled(prep_kernel, H, HV)(k, v, g, beta, chunks, g_cum, Ai, w, u)
-    # both state walks: h, v_new forward; dh, dh0, dV~ in reverse
-    with nvtx_range("bwd.walk"):
-        _compiled(walk_kernel, H, HV, BV)(q, k, w, u, do, g_cum, seqs, first_chunk,
-                                          h0, int(initial_state is not None), dht_in, int(dht is not None),
-                                          scale, h, v_new, dh, absent if dh0 is None else dh0,
-                                          int(dh0 is not None), dv2)
+    if p is None:
+        # both state walks over the sequences: h, v_new forward; dh, dh0, dV~ in reverse
+        with nvtx_range("bwd.walk"):
+            _compiled(walk_kernel, H, HV, BV)(q, k, w, u, do, g_cum, seqs, first_chunk,
+                                              h0, int(initial_state is not None), dht_in, int(dht is not None),
+                                              scale, h, v_new, dh, absent if dh0 is None else dh0,
+                                              int(dh0 is not None), dv2)
+    else:  # backward AutoCP: the walks over the segment rows, each from its own h_j and dht_j
+        J, S = p.max_segments, p.bounds.shape[0] - 1
+        # the forward's g_cum, chunk table, Ab and gated flags (the forward's warm-up reads Ab,
+        # which prep does not make), then h_j of every segment row
+        g_cum_f = torch.empty(B * T, HV, **fp32)
+        chunks_f = torch.empty(NT, 2, dtype=torch.int32, device=device)
+        first_chunk_f = torch.empty(N + 1, dtype=torch.int32, device=device)
+        ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
+        gated = torch.empty(NT, HV, dtype=torch.int32, device=device)
+        with nvtx_range("bwd.solve"):
+            fwd.solve(H, HV, fwd.solve_heads(H, HV, NT, sms), False, k, beta, g, seqs, g_cum_f, chunks_f,
+                      first_chunk_f, ab, gated)
+        with nvtx_range("bwd.segment_states"):
+            h_seg = fwd.segment_states(p, k, v, g, g_cum_f, beta, ab, gated,
+                                       torch.zeros(N, HV, K, V, **fp32) if initial_state is None else h0)
+        # the backward windows, per backward slot and value head
+        win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
+        win_end, exact = torch.empty_like(win_start), torch.empty_like(win_start)
+        dht_row = torch.empty(J * N, dtype=torch.int32, device=device)
+        with nvtx_range("bwd.dh_windows"):
+            _compiled(bwd_windows_kernel, HV)(g, g_cum_f, beta, gated, seqs, first_chunk_f, p.row_of_slot,
+                                              p.segment_chunks, float(autocp.THRESHOLD), int(dht is not None),
+                                              win_start, win_end, exact, dht_row)
+        # dZ_j (and M_j^T of exact heads) over each window, on prep's w and g_cum
+        dz, mt = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+        with nvtx_range("bwd.dh_warmup"):
+            _compiled(dh_warmup_kernel, H, HV)(q, k, w, do, g_cum, win_start, win_end, exact, scale, dz, mt)
+        # the reverse chain: dht_j of every segment row, from each sequence's dht
+        dht_seg = torch.empty(S, HV, K, V, **fp32)
+        with nvtx_range("bwd.dh_chain"):
+            fwd._compiled(fwd.chain_kernel, HV)(dht_in if dht is not None else torch.zeros(N, HV, K, V, **fp32),
+                                                dz, mt, exact, dht_row, dht_seg)
+        # both state walks over the segment rows: h, v_new forward; dh, a dh0 per row, dV~ in reverse
+        dh0_rows = absent if dh0 is None else torch.empty(S, HV, K, V, **fp32)
+        with nvtx_range("bwd.walk"):
+            _compiled(walk_kernel, H, HV, BV)(q, k, w, u, do, g_cum, p.bounds, p.first_chunk,
+                                              h_seg, 1, dht_seg, 1, scale, h, v_new, dh, dh0_rows,
+                                              int(dh0 is not None), dv2)
+        if dh0 is not None:
+            dh0 = dh0_rows.index_select(0, p.row_of_slot[:N])  # each sequence's first segment row
     # the chunk-parallel gradients, then their sums
     with nvtx_range("bwd.chunk_bwd_dqkwg"):
         _compiled(chunk_bwd_dqkwg_kernel, H, HV)(q, k, v_new, g_cum, h, dv2, do, dh, chunks, scale,

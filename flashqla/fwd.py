@@ -1818,6 +1818,54 @@ def _compiled(builder, *shape):
     return compile_hopper(dependent_launch(func), PASS_CONFIGS.get(builder))
 
 
+def solve(H, HV, R, store_wy, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated):
+    """The kernels before AutoCP's: g, seqs -> g_cum, chunks, first_chunk (the chunk table, the
+    chunk-local cumsum of g); k, beta -> Ab (or WY = Gamma * Ab, ``store_wy``), gated; R value
+    heads a solve CTA (``solve_heads``). k [B T, H, K] bf16, g, beta [B T, HV] fp32; the rest the
+    outputs, allocated by the caller."""
+    if R <= SOLVE_TF32_MAX_HEADS:
+        with nvtx_range("fwd.gate_free_solve_with_cumsum"):
+            # g_cum, chunks, first_chunk, Ab, gated <- the chunk table, the chunk-local cumsum of g
+            # and the gate-free solve, in one kernel
+            _compiled(gate_free_solve_with_cumsum_kernel, H, HV, R)(k, beta, g, seqs, g_cum, chunks,
+                                                                    first_chunk, ab, gated)
+    else:
+        with nvtx_range("fwd.chunk_local_cumsum"):
+            # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
+            _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
+        with nvtx_range("fwd.gate_free_solve"):
+            # Ab (or WY), gated <- the gate-free solve, three or four value heads a CTA
+            _compiled(gate_free_solve_kernel, H, HV, R, store_wy)(k, beta, g_cum, chunks, ab, gated)
+
+
+def segment_states(p, k, v, g, g_cum, beta, ab, gated, h0):
+    """AutoCP's windows and phases 1 and 2 on plan ``p``, after ``solve``: every segment row's
+    initial state h_seg [S, HV, K, V] fp32 from the sequences' h0 [N, HV, K, V] fp32. k [B T, H,
+    K], v [B T, HV, V] bf16; g, g_cum, beta [B T, HV] fp32; ab, gated: the solve's."""
+    H, HV, K, V = k.shape[1], v.shape[1], k.shape[2], v.shape[2]
+    device, N, J = k.device, h0.shape[0], p.max_segments
+    fp32 = dict(dtype=torch.float32, device=device)
+    # windows: per (slot, value head) its first token and whether it runs exactly
+    win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
+    exact = torch.empty_like(win_start)
+    with nvtx_range("fwd.autocp_windows"):
+        _compiled(windows_kernel, HV)(g, g_cum, beta, gated, p.slot_start, p.slot_warm.to(torch.int32),
+                                      p.slot_chunk, p.segment_chunks, float(autocp.THRESHOLD),
+                                      win_start, exact)
+    # phase 1: Z (and M for exact heads) of every slot's window, from k, v, Ab
+    z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+    with nvtx_range("fwd.autocp_warmup"):
+        _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
+                                        p.slot_chunk, exact, z, m)
+    # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row (M read only
+    # for a head with an exact slot); rows past the real ones (empty segments) stay unwritten:
+    # phase 3 only copies them into final states that nobody reads
+    h_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
+    with nvtx_range("fwd.autocp_chain"):
+        _compiled(chain_kernel, HV)(h0, z, m, exact, p.row_of_slot, h_seg)
+    return h_seg
+
+
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
     """Checked API inputs (bf16 q, k, v; K = V = 128) -> (o [B, T, HV, V] bf16, final state or None).
 
@@ -1848,41 +1896,9 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     bounds, (R, BV, wy, L) = launch_decisions(cu_seqlens, B, T, H, HV, V, sms, cp)
     p = segment_plan(cu_seqlens, B, T, HV, sms, device, L, bounds)
     store_wy = wy and p is None
-    if R <= SOLVE_TF32_MAX_HEADS:
-        with nvtx_range("fwd.gate_free_solve_with_cumsum"):
-            # g_cum, chunks, first_chunk, Ab, gated <- the chunk table, the chunk-local cumsum of g
-            # and the gate-free solve, in one kernel
-            _compiled(gate_free_solve_with_cumsum_kernel, H, HV, R)(k, beta, g, seqs, g_cum, chunks,
-                                                                    first_chunk, ab, gated)
-    else:
-        with nvtx_range("fwd.chunk_local_cumsum"):
-            # g_cum, chunks, first_chunk <- the chunk-local cumsum of g, the chunk table
-            _compiled(chunk_local_cumsum_kernel, HV)(g, seqs, g_cum, chunks, first_chunk)
-        with nvtx_range("fwd.gate_free_solve"):
-            # Ab (or WY), gated <- the gate-free solve, three or four value heads a CTA
-            _compiled(gate_free_solve_kernel, H, HV, R, store_wy)(k, beta, g_cum, chunks, ab, gated)
-
+    solve(H, HV, R, store_wy, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
-        J = p.max_segments
-        # windows: per (slot, value head) its first token and whether it runs exactly
-        win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
-        exact = torch.empty_like(win_start)
-        with nvtx_range("fwd.autocp_windows"):
-            _compiled(windows_kernel, HV)(g, g_cum, beta, gated, p.slot_start, p.slot_warm.to(torch.int32),
-                                          p.slot_chunk, p.segment_chunks, float(autocp.THRESHOLD),
-                                          win_start, exact)
-        # phase 1: Z (and M for exact heads) of every slot's window, from k, v, Ab
-        z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
-        with nvtx_range("fwd.autocp_warmup"):
-            _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
-                                            p.slot_chunk, exact, z, m)
-        # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row (M read only
-        # for a head with an exact slot); rows past the real ones (empty segments) stay unwritten:
-        # phase 3 only copies them into final states that nobody reads
-        h_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
-        with nvtx_range("fwd.autocp_chain"):
-            _compiled(chain_kernel, HV)(h0, z, m, exact, p.row_of_slot, h_seg)
-        h0 = h_seg
+        h0 = segment_states(p, k, v, g, g_cum, beta, ab, gated, h0)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = equal_lengths_width(seqs.shape[0] - 1, HV, V, sms)  # segment rows: equal lengths

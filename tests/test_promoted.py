@@ -1,7 +1,8 @@
 """The library runs what the workbench tested: each kernel in flashqla.fwd and flashqla.bwd builds the
 same TileLang program as the stage it was promoted from and is compiled with the same options, the
-API takes the kernel path exactly where it should, and (GPU) the forward split by AutoCP passes the
-gdn_fwd check and gives, bit for bit, what the stage it promotes (gdn_fwd.s44) gives."""
+API takes the kernel path exactly where it should, the split rules are the stages', and (GPU) the
+forward and the backward, split by AutoCP or not, pass the gdn_fwd and gdn_bwd checks and give, bit
+for bit, what the stages they promote (gdn_fwd.s44, gdn_bwd.s03) give."""
 
 import functools
 import itertools
@@ -13,7 +14,7 @@ import torch
 from flashqla import autocp, bwd, fwd
 from flashqla.api import kernel_unsupported
 from flashqla.stages import load
-from flashqla.testing import Problem, check_op, run_on_threads
+from flashqla.testing import Problem, check_op, op_inputs, run_on_threads
 
 PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (fwd.chunk_local_cumsum_kernel, ("chunk_local_cumsum", 3), "chunk_local_cumsum_kernel", (32,)),
@@ -41,12 +42,17 @@ PROMOTED = [  # (library builder, stage, the stage's builder, a shape)
     (bwd.chunk_bwd_dqkwg_kernel, ("chunk_bwd_dqkwg", 1), "chunk_bwd_dqkwg_kernel", (16, 32)),
     (bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
     (bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
+    # backward AutoCP (kernels/gdn_bwd/s03_autocp_walks.py)
+    (bwd.bwd_windows_kernel, ("gdn_bwd", 3), "bwd_windows_kernel", (32,)),
+    (bwd.dh_warmup_kernel, ("gdn_bwd", 3), "dh_warmup_kernel", (16, 32)),
+    (bwd.dh_warmup_kernel, ("gdn_bwd", 3), "dh_warmup_kernel", (2, 8)),
 ]
-# how a stage compiles a kernel, where it is not ``_compiled(*shape)``: gdn_bwd.s02 has one function
-# per kernel, each taking (H, HV) (the walk's BV is the stage's); gdn_fwd.s18's windows kernel
-# takes (HV,)
+# how a stage compiles a kernel, where it is not ``_compiled(*shape)``: gdn_bwd.s02 and s03 have one
+# function per kernel, each taking (H, HV) (the walk's BV is the stage's) or (HV,) (s03's windows);
+# gdn_fwd.s18's windows kernel takes (HV,)
 STAGE_COMPILE = {"prep_kernel": "_prep", "walk_kernel": "_walk", "finish_kernel": "_finish",
-                 "windows_kernel": "_windows", "chain_kernel": "_chain"}
+                 "windows_kernel": "_windows", "chain_kernel": "_chain",
+                 "bwd_windows_kernel": "_windows", "dh_warmup_kernel": "_dh_warmup"}
 IDS = [f"{op}.s{n:02d}.{name}{shape}".replace(" ", "") for _, (op, n), name, shape in PROMOTED]
 
 
@@ -179,6 +185,16 @@ def test_promoted_compile_check_catches_a_missing_dependent_launch(monkeypatch):
     assert calls[0][0] != calls[1][0]
 
 
+def test_promoted_compile_check_catches_a_backward_kernel_without_dependent_launch(monkeypatch):
+    """... and for the backward's dh warm-up compiled without PDL (gdn_bwd.s03 launches it as a
+    programmatic dependent, among the forward's AutoCP kernels)."""
+    calls = record_compiles(monkeypatch)
+    monkeypatch.setattr(bwd, "DEPENDENT", ())
+    bwd._compiled.__wrapped__(bwd.dh_warmup_kernel, 2, 8)
+    load("gdn_bwd", 3)._dh_warmup.__wrapped__(2, 8)
+    assert calls[0][0] != calls[1][0]
+
+
 def test_promoted_compile_check_catches_other_launch_bounds(monkeypatch):
     """The compile check above fails for the solve compiled at s08's four CTAs an SM, not s14's."""
     calls = record_compiles(monkeypatch)
@@ -218,6 +234,32 @@ def test_segment_chunks_is_the_stage_rule():
     assert {fwd.segment_chunks(c, hv, sms, step) for c, hv, sms, step in cases} >= {0, 16, 32, 64}
 
 
+BWD_RULE_CASES = [([128], 8, 132), ([512], 8, 132), ([512], 16, 132), ([512], 64, 132), ([448, 64], 8, 132),
+                  ([64] * 8, 8, 132), ([188, 1, 32, 11], 8, 132), ([3, 700, 1, 40], 4, 132), ([512], 32, 114),
+                  ([0], 8, 132)]
+
+
+def test_bwd_segment_chunks_is_the_stage_rule():
+    """Backward AutoCP's split is gdn_bwd.s03's rule, forced or decided; the cases split at L 16 and
+    32 and not at all."""
+    s03 = load("gdn_bwd", 3)
+    for chunks, hv, sms in BWD_RULE_CASES:
+        for force in (None, False, True, 5):
+            assert bwd.segment_chunks(chunks, hv, sms, force) == s03.segment_chunks(chunks, hv, sms, force)
+    assert {bwd.segment_chunks(c, hv, sms) for c, hv, sms in BWD_RULE_CASES} >= {0, 16, 32}
+    with pytest.raises(ValueError, match="`cp` as segment length must be >= 1 chunk; got 0"):
+        bwd.segment_chunks([512], 8, 132, 0)
+
+
+@pytest.mark.parametrize("constant, value", [("WALK_LANES", 1), ("MIN_GAIN", 2.0), ("SEGMENT_LADDER", (8, 32))])
+def test_bwd_rule_check_catches_a_changed_rule(constant, value, monkeypatch):
+    """The check above fails for a copy of the rule with one constant changed."""
+    s03 = load("gdn_bwd", 3)
+    monkeypatch.setattr(bwd, constant, value)
+    assert any(bwd.segment_chunks(c, hv, sms, force) != s03.segment_chunks(c, hv, sms, force)
+               for c, hv, sms in BWD_RULE_CASES for force in (None, True))
+
+
 def test_a_changed_kernel_is_caught():
     """The check above can fail: two different kernels print different programs."""
     assert fwd.warmup_kernel(16, 32).script() != fwd.warmup_kernel(16, 64).script()
@@ -236,10 +278,13 @@ def test_a_changed_kernel_is_caught():
     (bwd, "STAGES", 3, bwd.walk_kernel, ("gdn_bwd", 2), "walk_kernel", (16, 32, 64)),
     (bwd, "WARPGROUP", 256, bwd.finish_kernel, ("gdn_bwd", 2), "finish_kernel", (16, 32)),
     (bwd, "TWO_WG_THREADS", 128, bwd.wy_bwd_kernel, ("wy_bwd", 1), "wy_bwd_kernel", (16, 32)),
+    (bwd, "WINDOW_THREADS", 128, bwd.bwd_windows_kernel, ("gdn_bwd", 3), "bwd_windows_kernel", (32,)),
+    (bwd, "MAX_WINDOW", 32, bwd.bwd_windows_kernel, ("gdn_bwd", 3), "bwd_windows_kernel", (32,)),
+    (bwd, "STAGES", 3, bwd.dh_warmup_kernel, ("gdn_bwd", 3), "dh_warmup_kernel", (2, 8)),
 ], ids=["fwd.FUSED_THREADS", "fwd.REGS_CHAIN", "fwd.REGS_WIDE_STATE", "fwd.GROWTH_LIMIT", "fwd.KKT_STRIDE",
         "fwd.CUMSUM_SEGMENTS", "fwd.BLOCK",
         "fwd.REGS_WARMUP_CHAIN", "fwd.CHAIN_COLUMNS", "bwd.STAGES",
-        "bwd.WARPGROUP", "bwd.TWO_WG_THREADS"])
+        "bwd.WARPGROUP", "bwd.TWO_WG_THREADS", "bwd.WINDOW_THREADS", "bwd.MAX_WINDOW", "bwd.STAGES-dh_warmup"])
 def test_a_changed_copy_is_caught(module, constant, value, builder, stage, stage_builder, shape,
                                   monkeypatch):
     """flashqla.fwd and flashqla.bwd hold their stages' constants (some renamed): a copy built with
@@ -317,3 +362,62 @@ def test_forward_is_the_stage_forward(problem, cp, compiled_forwards):
     want = load("gdn_fwd", 44).forward(**x, cp=cp)
     got = fwd.forward(**x, cp=cp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- the backward: gdn_bwd.s03 (backward AutoCP where its rule splits, s02's path elsewhere)
+BWD_CASES = [  # (problem, cp, dht given, whether it splits)
+    (Problem(2, 8, (8192,), varlen=False), None, True, True),        # the rule: L 16, a batch
+    (Problem(2, 8, (12000, 1, 2000, 700)), None, True, True),        # the rule: L 16, varlen
+    (Problem(2, 8, (3000, 1, 700, 2500, 64, 1300)), 4, True, True),  # varlen, empty segment rows
+    (Problem(2, 8, (777, 5000), initial_state=False), 2, False, True),  # no h0, no dht
+    (Problem(2, 8, (700, 70)), None, True, False),                   # the rule: no split
+]
+
+
+def bwd_inputs(problem, dht, seed):
+    x = op_inputs("gdn_bwd", problem.inputs("cuda", seed=seed))
+    return dict(x, dht=x["dht"] if dht else None)
+
+
+@pytest.fixture(scope="module")
+def compiled_backwards():
+    """The library's backward and gdn_bwd.s03's, compiled on threads for (2, 8): split after the
+    solve of two heads a CTA (short) and of four (long), and unsplit (about 30 TileLang kernels)."""
+    s03 = load("gdn_bwd", 3)
+    run_on_threads([functools.partial(f, **bwd_inputs(Problem(2, 8, lengths), True, 0), cp=cp)
+                    for lengths, cp in (((700,), 2), ((15000,), 2), ((700, 70), False))
+                    for f in (bwd.backward, s03.run)])
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem, cp, dht, splits", BWD_CASES,
+                         ids=["auto-batch", "auto-varlen", "varlen-L4", "no-h0-no-dht-L2", "unsplit"])
+def test_backward_is_the_stage_backward(problem, cp, dht, splits, compiled_backwards):
+    """flashqla.bwd.backward runs gdn_bwd.s03's kernels on the same plan: the same bits (the kernels
+    are deterministic, tests/test_bwd_autocp.py), within the gdn_bwd check against float64."""
+    x = bwd_inputs(problem, dht, seed=4)
+    B, T = x["q"].shape[:2]
+    p = bwd.split_plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), "cuda", cp)
+    assert (p is not None) == splits
+    want = load("gdn_bwd", 3).run(**x, cp=cp)
+    got = bwd.backward(**x, cp=cp)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    check_op("gdn_bwd", lambda **kw: bwd.backward(**kw, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_split_backward_replays_in_a_cuda_graph(compiled_backwards):
+    """The split backward, after one eager call (the host read of cu_seqlens, the plan kept), is
+    captured in a CUDA graph whose replay gives the eager bits, again after the inputs change."""
+    import types
+
+    from test_bwd_autocp import check_graph_replay
+
+    problem, cp, dht, _ = BWD_CASES[1]
+    x = bwd_inputs(problem, dht, seed=3)
+    B, T = x["q"].shape[:2]
+    assert bwd.split_plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), "cuda", cp) is not None
+    check_graph_replay(types.SimpleNamespace(run=bwd.backward), x, cp)
