@@ -846,10 +846,12 @@ def _cp_step(call, inputs: dict, do, step: str):
     return lambda: torch.autograd.grad(call(**leaves), list(leaves.values()), do)
 
 
-def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str) -> None:
+def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str, csv_path: str,
+               meta: dict) -> None:
     """One rank of world size ``world``: every (problem, impl, step) timed; rank 0 appends each row
-    to ``out`` as a JSON line (a rank that fails alone leaves the others in a collective until the
-    group's timeout ends the run: the rows before it stay)."""
+    to ``out`` as a JSON line and rewrites the CSV from all of them (``_write_cp_csv``), so a run
+    killed or stopped at any point keeps every row it timed (a rank that fails alone leaves the
+    others in a collective until the group's timeout ends the run)."""
     import datetime
     import json
 
@@ -882,6 +884,7 @@ def _cp_worker(rank: int, world: int, port: int, labels: list[str], out: str) ->
                         print(time.strftime("%X"), row, flush=True)
                         with open(out, "a") as f:
                             f.write(json.dumps(row) + "\n")
+                        _write_cp_csv(out, Path(csv_path), meta)
             del calls, inputs, do
             torch.cuda.empty_cache()
     finally:
@@ -915,29 +918,37 @@ def _compile_cp_kernels(problems) -> None:
     run_on_threads([functools.partial(compile_one, job) for job in jobs])
 
 
-def _cp_world(world: int, labels: list[str]) -> list[dict]:
-    """The rows rank 0 of ``world`` spawned ranks wrote (those before a failure, if one stopped them)."""
-    import json
+def _cp_world(world: int, labels: list[str], out: Path, csv_path: Path, meta: dict) -> None:
+    """Spawn ``world`` ranks (``_cp_worker``); their rows go to ``out`` and the CSV as they come."""
     import socket
-    import tempfile
 
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.jsonl")
-        try:
-            mp.start_processes(_cp_worker, args=(world, port, labels, out), nprocs=world, join=True,
-                               start_method="spawn")
-        except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
-            print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
-                  flush=True)
-        if not os.path.exists(out):
-            return []
-        with open(out) as f:
-            return [json.loads(line) for line in f]
+    try:
+        mp.start_processes(_cp_worker, args=(world, port, labels, str(out), str(csv_path), meta),
+                           nprocs=world, join=True, start_method="spawn")
+    except Exception as exc:  # noqa: BLE001 -- a rank died: the rows before it are kept
+        print(f"bench cp: world size {world} stopped: {type(exc).__name__}: {str(exc)[:300]}",
+              flush=True)
+
+
+def _write_cp_csv(out: str, csv_path: Path, meta: dict) -> list[dict]:
+    """The CSV of every row in the JSON lines ``out`` (this run's, all world sizes so far), with
+    ``_cp_napkin``'s columns and ``meta``'s provenance; returns its rows."""
+    import json
+
+    with open(out) as f:
+        raw = [json.loads(line) for line in f]
+    rows = [{**{c: r.get(c, "") for c in CP_COLUMNS}, **meta}
+            for r in _cp_napkin(raw, meta["gemm_roof_tflops"])]
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
 
 
 def _cp_napkin(rows: list[dict], tflops_roof: float) -> list[dict]:
@@ -964,7 +975,8 @@ def _cp_napkin(rows: list[dict], tflops_roof: float) -> list[dict]:
 
 def cp_main(commit: str, csv_path: Path | None = None, labels=None) -> int:
     """``bench --mode cp``: world sizes 1, 2, 4 (those this host has), each as spawned ranks; the CSV
-    (``results/cp.csv`` or ``csv_path``) rewritten after each, so a run cut short keeps what it timed."""
+    (``results/cp.csv`` or ``csv_path``) rewritten after every row, so a run cut short keeps what it
+    timed."""
     if torch.cuda.device_count() < 1:
         print("bench: needs a CUDA GPU")
         return 1
@@ -978,15 +990,12 @@ def cp_main(commit: str, csv_path: Path | None = None, labels=None) -> int:
     tflops_roof, _ = roofs()
     torch.cuda.empty_cache()  # this process's memory on GPU 0 back to rank 0
     meta = dict(versions(commit), gemm_roof_tflops=round(tflops_roof))
-    raw = []
+    out = csv_path.with_suffix(".rows.jsonl")  # this run's rows as they come, until it ends
+    out.unlink(missing_ok=True)
     for world in [w for w in (1, 2, 4) if w <= torch.cuda.device_count()]:
-        raw += _cp_world(world, labels)
-        rows = [{**{c: r.get(c, "") for c in CP_COLUMNS}, **meta} for r in _cp_napkin(raw, tflops_roof)]
-        if rows:
-            with open(csv_path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+        _cp_world(world, labels, out, csv_path, meta)
+    rows = _write_cp_csv(str(out), csv_path, meta) if out.exists() else []
+    out.unlink(missing_ok=True)
     for r in rows:
         print(", ".join(f"{k}={r[k]}" for k in CP_COLUMNS))
     print(f"wrote {csv_path}")

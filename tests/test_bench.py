@@ -582,3 +582,27 @@ def test_chain_on_w_holds_what_s45_quotes():
     assert abs(runs["635e334"]["(16, 64) 1x2048"]["gdn_fwd.s45"] / runs["635e334"]["(16, 64) 1x2048"]["gdn_fwd.s44"] - 1) < 0.01
     this = [t["gdn_fwd.s45"] / t["gdn_fwd.s44"] for t in runs["5e4296f"].values()]
     assert len(this) == 6 and (round(min(this), 2), round(max(this), 2)) == (1.28, 1.31)
+
+
+def test_cp_rows_reach_the_csv_as_they_come(tmp_path):
+    """bench cp: each rank-0 row appended to the JSON lines rewrites the CSV from all of them, with
+    FLA's ratio (same world size) and the strong-scaling efficiency (same impl on one GPU)."""
+    import csv
+    import json
+
+    out, path = tmp_path / "cp.rows.jsonl", tmp_path / "cp.csv"
+    meta = {"gpu": "test", "commit": "abc", "gemm_roof_tflops": 800}
+    p = bench.CP_PROBLEMS[0].label
+    rows = [dict(problem=p, impl=bench.API_ROW, step="forward", world_size=1, ms=2.0, exchange_ms=""),
+            dict(problem=p, impl="FLA", step="forward", world_size=1, ms=8.0, exchange_ms=""),
+            dict(problem=p, impl=bench.API_ROW, step="forward", world_size=2, ms=1.25, exchange_ms=0.25)]
+    for n, row in enumerate(rows, 1):
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        bench._write_cp_csv(str(out), path, meta)
+        written = list(csv.DictReader(open(path)))
+        assert len(written) == n and written[-1]["commit"] == "abc"
+    api1, fla1, api2 = written
+    assert float(api1["vs_fla"]) == 4.0 and float(api1["efficiency"]) == 1.0
+    assert float(api2["efficiency"]) == 0.8 and float(api2["exchange_share"]) == 0.2
+    assert api2["vs_fla"] == ""  # FLA not timed on two GPUs in this run

@@ -5,6 +5,7 @@ kernel path's orchestration runs on CPU too, the reference put in the kernels' p
 gpu-marked tests run the kernels over NCCL against the single-GPU library."""
 
 import datetime
+import faulthandler
 import functools
 import itertools
 import json
@@ -309,7 +310,10 @@ GRAPH_CASE = ("contiguous", (300, 3000, 796))   # a sequence spanning the two ra
 def _graph_worker(rank, world, port, out):
     """One rank: GRAPH_CASE's cp call, forward and backward, captured in one CUDA graph after two
     eager calls on a side stream (torch.cuda.graph's warm-up); rank 0 writes each rank's verdict:
-    None when the replay gave the eager call's bits, else what went wrong."""
+    None when the replay gave the eager call's bits, else what went wrong. A rank stuck for 100 s
+    (a capture waiting on its peer, say) prints every thread's stack and exits: the test fails
+    with where it hung, before the group's timeout."""
+    faulthandler.dump_traceback_later(100, exit=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # NVLink multicast off
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -341,6 +345,7 @@ def _graph_worker(rank, world, port, out):
             with open(out, "w") as f:
                 json.dump(verdicts, f)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
