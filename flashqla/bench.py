@@ -467,6 +467,7 @@ def provenance(rows: list[dict]) -> dict:
 BOOK = RESULTS.parent.parent / "book"
 RESULTS_PAGE = BOOK / "results.md"
 PLOTS = BOOK / "images"  # copies of the plots, inside the book's source tree where Sphinx finds them
+CP_PAGE = BOOK / "cp.md"  # the CP page: its scaling table between the bench:cp markers
 GRAPH = "CUDA graph replay"
 
 
@@ -654,10 +655,58 @@ def plot(rows: list[dict], path: Path, mode: Mode = FORWARD) -> None:
     plt.close(fig)
 
 
+def cp_table(rows: list[dict]) -> str:
+    """Markdown for the book's CP page: every row of ``results/cp.csv`` that was timed or failed,
+    by problem, step and world size, with its provenance."""
+    lines = ["| problem | step | GPUs | impl | ms | vs FLA | efficiency | exchange share | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["problem"], r["step"], int(r["world_size"]), r["impl"] != API_ROW)):
+        ms = r["ms"] or ("out of memory" if "OutOfMemory" in r["method"] else r["method"][:40])
+        lines.append(f"| {short_label(r['problem'])} | {r['step']} | {r['world_size']} | "
+                     f"{'FLA' if r['impl'] == 'FLA' else 'flashqla'} | {ms} | {r['vs_fla']} | "
+                     f"{r['efficiency']} | {r['exchange_share']} | {r['tflops']} |")
+    meta = {k: ", ".join(dict.fromkeys(r[k] for r in rows)) for k in rows[0]}
+    lines.append(f"\n{meta['gpu']}, driver {meta['driver']}, CUDA {meta['cuda']}, torch {meta['torch']}, "
+                 f"TileLang {meta['tilelang']}, fla {meta['fla']}, flash-qla {meta['flash_qla']}; "
+                 f"commits {meta['commit']}, {meta['date']}. Eager CUDA-event medians over 5 calls, the "
+                 "slowest rank's; efficiency = t_1 / (n t_n), the same impl and step on one GPU.")
+    return "\n".join(lines)
+
+
+def plot_cp(rows: list[dict], path: Path) -> None:
+    """Strong scaling: ms against the number of GPUs (log), one line per problem, step and impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = dict.fromkeys((r["problem"], r["step"], r["impl"]) for r in rows)
+    for i, (problem, step, impl) in enumerate(series):
+        pts = sorted((int(r["world_size"]), float(r["ms"])) for r in rows if r["ms"] and
+                     (r["problem"], r["step"], r["impl"]) == (problem, step, impl))
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if impl == API_ROW else "x", ls="-" if step == "forward" else "--",
+                    color=plt.cm.tab20.colors[i % 20],
+                    label=f"{'flashqla' if impl == API_ROW else 'FLA'} {step} {short_label(problem)}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([1, 2, 4], ["1", "2", "4"])
+    ax.set_xlabel("GPUs (one sequence, contiguous shards)")
+    ax.set_ylabel("ms (log)")
+    ax.set_title(f"context parallelism, {', '.join(dict.fromkeys(r['gpu'] for r in rows))}", fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 def report(results: Path = RESULTS, readme: Path = README, page: Path = RESULTS_PAGE,
-           images: Path = PLOTS) -> None:
+           images: Path = PLOTS, cp_page: Path = CP_PAGE) -> None:
     """Redraw everything the committed CSVs feed: each mode's plot (``results/<mode>.png``, copied
-    into the book), its table on the Results page, and the README's summary."""
+    into the book), its table on the Results page, the README's summary, and the CP page's
+    scaling table and plot (``results/cp.csv``)."""
     runs = {name: read_csv(results / f"{name}.csv") for name in MODES}
     text = page.read_text()
     images.mkdir(exist_ok=True)
@@ -667,6 +716,10 @@ def report(results: Path = RESULTS, readme: Path = README, page: Path = RESULTS_
         text = replace_between(text, name, results_table(rows, MODES[name]))
     page.write_text(text)
     readme.write_text(replace_between(readme.read_text(), "summary", summary_table(runs)))
+    cp_rows = read_csv(results / "cp.csv")
+    plot_cp(cp_rows, results / "cp.png")
+    shutil.copyfile(results / "cp.png", images / "cp.png")
+    cp_page.write_text(replace_between(cp_page.read_text(), "cp", cp_table(cp_rows)))
 
 
 def short_label(label: str) -> str:

@@ -67,6 +67,22 @@ def test_results_page_is_regenerated_from_the_committed_csv(mode):
     assert f"images/{mode.name}.png" in bench.RESULTS_PAGE.read_text()
 
 
+def test_cp_page_is_regenerated_from_the_committed_csv():
+    """book/cp.md's scaling table is ``bench.cp_table`` of results/cp.csv, with provenance on every
+    row; a changed time shows; the page shows the plot that --report drew."""
+    rows = bench.read_csv(bench.RESULTS / "cp.csv")
+    block = bench.between(bench.CP_PAGE.read_text(), "cp")
+    assert block == bench.cp_table(rows), "book/cp.md is stale: run `python -m flashqla bench --report`"
+    changed = [dict(r) for r in rows]
+    next(r for r in changed if r["ms"])["ms"] = "99.0"
+    assert bench.cp_table(changed) != block
+    for r in rows:
+        assert all(r[c] for c in ("gpu", "driver", "cuda", "torch", "tilelang", "fla", "flash_qla",
+                                  "commit", "date", "method")), r
+    assert (bench.PLOTS / "cp.png").read_bytes() == (bench.RESULTS / "cp.png").read_bytes()
+    assert "images/cp.png" in bench.CP_PAGE.read_text()
+
+
 def test_ratios_come_from_one_run():
     """The API's ratio to a peer is computed from rows of one run; a peer row from another commit
     or card raises, and so does a problem without an API time."""
