@@ -24,7 +24,9 @@ caller.
 What is where. ``flashqla.fwd`` decides the split (its own ``segment_chunks``) and runs the phases
 as kernels; it takes from here the plan (``host_plan`` from lengths the host knows, ``plan`` built
 on the device inside a CUDA-graph capture that has none kept, ``slot_chunks``), THRESHOLD,
-MIN_SEGMENT_CHUNKS and MAX_WARMUP_CHUNKS. ``segment_chunks`` below (the rule of the AutoCP stages
+MIN_SEGMENT_CHUNKS and MAX_WARMUP_CHUNKS. ``flashqla.bwd`` does the same for the backward (its own
+``segment_chunks``, the forward's plan and phases for the states, ``backward_windows`` below as a
+kernel for the state gradients). ``segment_chunks`` below (the rule of the AutoCP stages
 gdn_fwd.s06 to s15), ``bound_violations``, ``warmup`` and ``segment_initial_states`` are the rule
 and the phases in PyTorch that the AutoCP stages build with and are tested against.
 

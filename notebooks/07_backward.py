@@ -710,10 +710,11 @@ assert slower == [("chunk_bwd_dhu.s01", "(2, 8) 1 x 32768"), ("gdn_bwd.s01", "(2
 # `flashqla/bwd.py` through its `autograd.Function` (it held s01's kernels when the rows of five
 # head layouts were timed, s02's for those of (16, 48), (16, 64) and (8, 24)). Every flashqla row is checked against this chapter's float64
 # backward first; all rows of a problem are timed in one process (CUDA-graph replay where capture
-# works). The committed rows (`profiles/results/gdn_train.csv`), in ms:
+# works). The committed rows of the run that timed s01 and s02 (`profiles/results/gdn_train_chapter7.csv`;
+# `gdn_train.csv` holds the library's latest rows), in ms:
 
 # %%
-TRAIN_CSV = ROOT / "profiles" / "results" / "gdn_train.csv"
+TRAIN_CSV = ROOT / "profiles" / "results" / "gdn_train_chapter7.csv"   # the runs that timed s01 and s02
 train_rows = bench.read_csv(TRAIN_CSV)
 TRAIN_COLS = {"FLA": "FLA", "FlashQLA": bench.FLASHQLA_ROW, "s01": "fwd + gdn_bwd/s01_separate_kernels",
               "s02": "fwd + gdn_bwd/s02_fused_walks", "API": bench.API_ROW}
@@ -760,9 +761,10 @@ assert len(api_over_s02) == 9 and all(0.99 < x < 1.04 for x in api_over_s02.valu
 # ### What the library runs
 #
 # `flashqla/bwd.py` holds the promoted backward: a copy, unchanged, of every kernel `gdn_bwd.s02` runs
-# (its prep, walk and finish kernels, `chunk_bwd_dqkwg.s01` and `wy_bwd.s01`; `tests/test_promoted.py`
-# asserts that each builds the same TileLang program as its stage, with the same compile options),
-# launched in the same order with no host synchronization:
+# (its prep, walk and finish kernels, `chunk_bwd_dqkwg.s01` and `wy_bwd.s01`) and, where its rule
+# splits a long sequence into segments, of the backward AutoCP kernels of `gdn_bwd.s03` (a lab-log
+# stage: the forward's AutoCP of chapter 06, run for both walks); `tests/test_promoted.py` asserts
+# that each builds the same TileLang program as its stage, with the same compile options:
 
 # %%
 print(bwd.__doc__)
@@ -771,10 +773,11 @@ print(bwd.__doc__)
 # `flashqla.chunk_gated_delta_rule` reaches it through autograd, and its forward saves only the
 # inputs $q, k, v, g, \beta$ and the initial state: the backward recomputes $g_{cum}$,
 # $\mathcal{T}$, $w$, $u$, the states and `v_new`, the first row of the save-or-recompute table
-# above, without AutoCP.
+# above.
 
 # %% [markdown]
-# Since neither direction reads a device value on the host, a whole training step (forward,
+# Neither direction reads a device value on the host once it has seen a `cu_seqlens` tensor (the
+# lengths are read once per tensor), so after one eager call a whole training step (forward,
 # backward, the gradients of every input) can be captured in one CUDA graph. The GPU test that checks
 # it replays the graph and compares with eager execution bit for bit, before and after the inputs
 # change in place:
