@@ -622,3 +622,28 @@ def test_cp_rows_reach_the_csv_as_they_come(tmp_path):
     assert float(api1["vs_fla"]) == 4.0 and float(api1["efficiency"]) == 1.0
     assert float(api2["efficiency"]) == 0.8 and float(api2["exchange_share"]) == 0.2
     assert api2["vs_fla"] == ""  # FLA not timed on two GPUs in this run
+
+
+def test_training_has_one_odd_varlen_mix_per_layout():
+    """One training problem per head layout packs sequences of lengths that are no multiple of the
+    64-token chunk, among them one shorter than a chunk and one over 8192; the forward has no such
+    problem; its label reads back."""
+    odd = [p for p in bench.TRAINING.problems if all(n % bench.CHUNK for n in p.lengths)]
+    assert [(p.H, p.HV) for p in odd] == list(bench.PUBLIC_HEADS)
+    for p in odd:
+        assert min(p.lengths) < bench.CHUNK < 8192 < max(p.lengths) and len(p.lengths) > 2
+        assert bench.short_label(p.label) == f"({p.H}, {p.HV}) " + "+".join(map(str, p.lengths))
+        assert bench.heads_and_lengths(p.label) == (p.H, p.HV, list(p.lengths))
+    assert not [p for p in bench.PROBLEMS if all(n % bench.CHUNK for n in p.lengths)]
+
+
+def test_summary_counts_problems_a_layout_when_some_are_untimed():
+    """A run that timed the odd mix on one layout only: the README's summary says 3-4 problems."""
+    runs = {name: bench.read_csv(bench.RESULTS / f"{name}.csv") for name in bench.MODES}
+    odd = {p.label for p in bench.TRAINING.problems if p.lengths == bench.ODD_MIX}
+    three = [r for r in runs["gdn_train"] if r["problem"] not in odd]
+    one = [dict(r, problem=f"(2, 8) {'+'.join(map(str, bench.ODD_MIX))}") for r in three
+           if r["problem"] == "(2, 8) 1x8192"]
+    head = "Training step (forward + backward): {} problems a layout ("
+    assert head.format(3) in bench.summary_table({**runs, "gdn_train": three})
+    assert head.format("3-4") in bench.summary_table({**runs, "gdn_train": three + one})
