@@ -3,6 +3,10 @@
 Rows per problem: each ``gdn_fwd`` stage of the checkout (s00 is FLA's Triton forward, the first
 baseline), FlashQLA's ``chunk_gated_delta_rule`` (flash-qla 0.1.3, the second baseline) and the
 public ``flashqla.chunk_gated_delta_rule``, all under ``torch.no_grad`` as in inference.
+``--mode gdn_train`` times a training step instead (``train_candidates``): the forward, then the
+gradients of q, k, v, g, beta and the initial state for random do and dht; FLA, FlashQLA and the
+API through autograd, each gdn_bwd stage after the library's forward (``fwd + gdn_bwd/sNN``). Its
+problems add one mix a layout with odd lengths (``ODD_MIX``).
 
 Timing, the same for every row: one untimed call per input set (JIT compiles, autotuning), then
 CUDA-graph capture of one call per input set and the median over replays, each replay timed with
@@ -10,7 +14,13 @@ CUDA events; a row whose capture fails (a host synchronization inside, e.g. read
 ``cu_seqlens``) falls back to the same loop timed with events and says so in ``method``. Input
 sets rotate so that together they exceed twice the L2 cache: no row is timed out of a warm L2.
 Beside it, ``eager_ms``: a call in a loop of back-to-back eager calls, no graph (``eager_ms``), where
-the host's time to issue a call shows.
+the host's time to issue a call shows. A training row also has ``bwd_ms``: the backward alone, timed
+as ``ms`` is (the same timer, input sets and median) after the forward ran once per set outside
+the timed region (``backward_calls``): for an autograd row, ``torch.autograd.grad`` over the kept
+graph; for a stage row, the stage's ``run`` (its forward is ``fwd.forward``). ``method`` names the
+backward's own method where it differs ("...; bwd_ms: ..."). Its useful work is the step's less the
+forward's (``train_flops`` - ``useful_flops``: two products for each forward product and the solve's
+adjoint).
 
 Napkin math, the same useful work for every row so that rows compare (a stage that does more
 work, like the recurrence, or less, shows as a lower or higher rate):
@@ -20,9 +30,10 @@ work, like the recurrence, or less, shows as a lower or higher rate):
     bytes = what must cross HBM once: q, k, v read and o written (bf16), g, beta read (fp32),
             the initial state read and the final state written (fp32)
 
-Each row gives ms, the ratio to each baseline (>1: faster than it), TFLOP/s and GB/s with their
-percentage of the roofs measured in the same run (an 8192^3 bf16 matmul, a 1 GiB copy) and
-``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the card's floor for this work.
+The CSV's columns (``COLUMNS``, then the provenance): ms, the ratio to each baseline (>1: faster
+than it), TFLOP/s and GB/s with their percentage of the roofs measured in the same run (an 8192^3
+bf16 matmul, a 1 GiB copy), ``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the
+card's floor for this work, ``method``, ``eager_ms`` and, in training runs, ``bwd_ms``.
 
 Before timing, every flashqla row (not the peers') is checked against the float64 reference
 (``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
@@ -477,8 +488,7 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         cells = [str(r.get(c, "")) for c in COLUMNS]
         lines.append(f"{cells[0]:28} {cells[1]:34} " + " ".join(f"{c:>8}" for c in cells[2:10])
-                     + f"  {cells[10]}" + (f"; eager {cells[11]}" if cells[11] else "")
-                     + (f"; backward {cells[12]}" if cells[12] else ""))
+                     + f"  {cells[10]}" + (f"; eager {cells[11]}" if cells[11] else ""))
     return "\n".join(lines)
 
 

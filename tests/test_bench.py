@@ -747,7 +747,7 @@ def test_bwd_ms_is_the_same_timer_on_the_backward_alone(monkeypatch, impl):
 
 def test_bwd_ms_is_a_column_of_training_csvs_only(tmp_path):
     """``bwd_ms`` is one of COLUMNS: a training run's CSV has it (empty for rows timed before it
-    existed), a forward run's does not; the printed rows and the Results page show it."""
+    existed), a forward run's does not; the Results page shows it where the CSV has it."""
     assert "bwd_ms" in bench.COLUMNS
     meta = dict(gpu="H100", commit="abc")
     old = dict(problem="(2, 8) 1x8192", impl="FLA", ms="0.9", method=bench.GRAPH, **meta)
@@ -757,7 +757,6 @@ def test_bwd_ms_is_a_column_of_training_csvs_only(tmp_path):
     assert [r["bwd_ms"] for r in read] == ["", "0.4"]
     bench.write_csv([{k: v for k, v in new.items() if k != "bwd_ms"}], tmp_path / "fwd.csv")
     assert "bwd_ms" not in bench.read_csv(tmp_path / "fwd.csv")[0]
-    assert "; backward 0.4" in bench.format_rows([new]) and "backward" not in bench.format_rows([old])
     rows = [r for r in bench.read_csv(bench.RESULTS / "gdn_train.csv") if r["problem"] == "(2, 8) 1x8192"]
     page = bench.results_table(rows, bench.TRAINING)
     assert "backward ms" not in page
