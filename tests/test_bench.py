@@ -768,3 +768,22 @@ def test_bwd_ms_is_a_column_of_training_csvs_only(tmp_path):
     assert f"| {rows[1]['ms']} |" in page  # the step's own time is a graph replay: unmarked
     assert "† CUDA events, no graph (capture failed)." in page
     assert all(len(line.split("|")) == len(page.splitlines()[0].split("|")) for line in page.splitlines()[:3])
+
+
+@pytest.mark.gpu
+def test_a_backward_whose_forward_ran_before_is_captured_in_a_graph():
+    """On a GPU: an autograd row's backward alone (its forward run by ``backward_calls``, outside
+    the capture) replays from a CUDA graph like its step: ``method`` names no fallback. Autograd
+    runs a backward kernel on its forward's stream: with the forward on the default stream (not
+    ``capture_stream()``), the backward's kernels would leave the capture and ``method`` would
+    name the events fallback for bwd_ms."""
+    def toy(q, k, v, g, beta, initial_state, **_):  # every input used; o and ht in the kernels' dtypes
+        o = v.float() * ((q.float() * k.float()).sum(-1, keepdim=True) * (g * beta).unsqueeze(-1))
+        return o.to(v.dtype), initial_state * beta.sum()
+
+    _, step, _, backward = bench._autograd_row("toy", toy, False)
+    p = Problem(1, 1, (300, 77))
+    sets = bench.input_sets(p, 3 * bench.useful_bytes(p) // 2, training=True)
+    assert len(sets) == 3
+    times = bench.time_candidate("toy", step, backward, sets, bench.TRAINING)
+    assert times["method"] == bench.GRAPH and times["bwd_ms"] > 0, times
