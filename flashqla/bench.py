@@ -3,6 +3,10 @@
 Rows per problem: each ``gdn_fwd`` stage of the checkout (s00 is FLA's Triton forward, the first
 baseline), FlashQLA's ``chunk_gated_delta_rule`` (flash-qla 0.1.3, the second baseline) and the
 public ``flashqla.chunk_gated_delta_rule``, all under ``torch.no_grad`` as in inference.
+``--mode gdn_train`` times a training step instead (``train_candidates``): the forward, then the
+gradients of q, k, v, g, beta and the initial state for random do and dht; FLA, FlashQLA and the
+API through autograd, each gdn_bwd stage after the library's forward (``fwd + gdn_bwd/sNN``). Its
+problems add one mix a layout with odd lengths (``ODD_MIX``).
 
 Timing, the same for every row: one untimed call per input set (JIT compiles, autotuning), then
 CUDA-graph capture of one call per input set and the median over replays, each replay timed with
@@ -10,7 +14,13 @@ CUDA events; a row whose capture fails (a host synchronization inside, e.g. read
 ``cu_seqlens``) falls back to the same loop timed with events and says so in ``method``. Input
 sets rotate so that together they exceed twice the L2 cache: no row is timed out of a warm L2.
 Beside it, ``eager_ms``: a call in a loop of back-to-back eager calls, no graph (``eager_ms``), where
-the host's time to issue a call shows.
+the host's time to issue a call shows. A training row also has ``bwd_ms``: the backward alone, timed
+as ``ms`` is (the same timer, input sets and median) after the forward ran once per set outside
+the timed region (``backward_calls``): for an autograd row, ``torch.autograd.grad`` over the kept
+graph; for a stage row, the stage's ``run`` (its forward is ``fwd.forward``). ``method`` names the
+backward's own method where it differs ("...; bwd_ms: ..."). Its useful work is the step's less the
+forward's (``train_flops`` - ``useful_flops``: two products for each forward product and the solve's
+adjoint).
 
 Napkin math, the same useful work for every row so that rows compare (a stage that does more
 work, like the recurrence, or less, shows as a lower or higher rate):
@@ -20,9 +30,10 @@ work, like the recurrence, or less, shows as a lower or higher rate):
     bytes = what must cross HBM once: q, k, v read and o written (bf16), g, beta read (fp32),
             the initial state read and the final state written (fp32)
 
-Each row gives ms, the ratio to each baseline (>1: faster than it), TFLOP/s and GB/s with their
-percentage of the roofs measured in the same run (an 8192^3 bf16 matmul, a 1 GiB copy) and
-``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the card's floor for this work.
+The CSV's columns (``COLUMNS``, then the provenance): ms, the ratio to each baseline (>1: faster
+than it), TFLOP/s and GB/s with their percentage of the roofs measured in the same run (an 8192^3
+bf16 matmul, a 1 GiB copy), ``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the
+card's floor for this work, ``method``, ``eager_ms`` and, in training runs, ``bwd_ms``.
 
 Before timing, every flashqla row (not the peers') is checked against the float64 reference
 (``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
@@ -52,7 +63,12 @@ from flashqla.stages import discover
 from flashqla.testing import PUBLIC_HEADS, Problem, check_op, op_inputs, run_on_threads
 
 MIXES = ((2048,), (8192,), (32768,), (28672, 4096), (4096,) * 8)
-TRAIN_MIXES = ((8192,), (32768,), (4096,) * 8)
+# the training step's mixes: the forward's one-sequence and equal-length shapes, and one odd mix
+# (17241 tokens): no length a multiple of the 64-token chunk, so every sequence ends in a partial
+# chunk, with a sequence of one token and one of 63 (each less than a chunk) beside a long one of
+# 9000 that sets the step's critical path
+ODD_MIX = (3000, 1, 777, 4400, 63, 9000)
+TRAIN_MIXES = ((8192,), (32768,), (4096,) * 8, ODD_MIX)
 PROBLEMS = [Problem(H, HV, mix) for H, HV in PUBLIC_HEADS for mix in MIXES]
 CHECK_LENGTHS = (1, 200, 777, 64, 130)
 RESULTS = Path(__file__).resolve().parent.parent / "profiles" / "results"
@@ -75,11 +91,19 @@ def useful_bytes(p: Problem) -> int:
     return acts + gates + states
 
 
+@functools.cache
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream every graph of the benchmark is captured on, and the backward rows' forwards
+    run on (``backward_calls``): autograd runs each backward kernel on its forward's stream, so a
+    backward whose forward ran on another stream would leave the capture."""
+    return torch.cuda.Stream()
+
+
 def _graph_or_events(fn, sets, repeat: int) -> tuple[float, str]:
     """Median ms of one call: CUDA-graph replay of one call per set, or events if capture fails."""
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=capture_stream()):
             for x in sets:
                 fn(x)
         launch, method = graph.replay, "CUDA graph replay"
@@ -160,6 +184,33 @@ def eager_ms(fn, sets: list[dict], grad: bool = False, graph_ms: float = 0.1) ->
     return statistics.median(walls)
 
 
+def backward_calls(backward, sets: list[dict]) -> list:
+    """``backward(x)`` of every input set (a training row's: the forward run once, with grad),
+    on ``capture_stream()``, outside any timed region: the calls that run the backward alone."""
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = [backward(x) for x in sets]
+    torch.cuda.current_stream().wait_stream(stream)
+    return calls
+
+
+def time_candidate(name: str, fn, backward, sets: list[dict], mode: Mode) -> dict:
+    """One row's times on one problem's input sets: ``ms`` and ``method`` of fn (``time_row``, or
+    ``time_peer_twice`` for a peer), ``eager_ms``, and, for a training row, ``bwd_ms``: the same
+    timer on the backward alone (``backward_calls``), over the same sets. Where the backward's
+    method differs from the step's, ``method`` says both ("...; bwd_ms: <the backward's>")."""
+    training = mode is TRAINING
+    timer = time_peer_twice if name in mode.peers else time_row
+    ms, method = timer(fn, sets, training)
+    times = dict(ms=ms, method=method, eager_ms=eager_ms(fn, sets, training, ms))
+    if backward is not None:
+        times["bwd_ms"], bwd_method = timer(lambda call: call(), backward_calls(backward, sets), True)
+        if bwd_method != method:
+            times["method"] = f"{method}; bwd_ms: {bwd_method}"
+    return times
+
+
 def time_peer_twice(fn, sets: list[dict], grad: bool = False) -> tuple[float, str]:
     """``time_row`` for a peer, tried once more after an error that leaves the device usable: FLA's
     first call on a fresh machine compiles and autotunes its Triton kernels, and that failed on two
@@ -225,9 +276,9 @@ def versions(commit: str) -> dict:
                 date=datetime.date.today().isoformat())
 
 
-def candidates() -> list[tuple[str, object, object]]:
-    """(row name, fn(inputs dict) -> outputs, checked against the reference?) for everything this
-    machine can run."""
+def candidates() -> list[tuple[str, object, bool, None]]:
+    """(row name, fn(inputs dict) -> outputs, checked against the reference?, None: no backward)
+    for everything this machine can run."""
     from flashqla.api import chunk_gated_delta_rule
 
     rows = []
@@ -235,14 +286,14 @@ def candidates() -> list[tuple[str, object, object]]:
         if stage.op == "gdn_fwd" and not stage.missing():
             # s00 is FLA's own forward, a peer: unchecked here like FlashQLA (its stage test checks it)
             name = FLA_ROW if stage.number == 0 else stage.name
-            rows.append((name, lambda x, s=stage: s.module.run(**x), stage.number != 0))
+            rows.append((name, lambda x, s=stage: s.module.run(**x), stage.number != 0, None))
     try:
         import flash_qla
 
-        rows.append((FLASHQLA_ROW, lambda x: flash_qla.chunk_gated_delta_rule(**x), False))
+        rows.append((FLASHQLA_ROW, lambda x: flash_qla.chunk_gated_delta_rule(**x), False, None))
     except ImportError:
         pass
-    rows.append((API_ROW, lambda x: chunk_gated_delta_rule(**x), True))
+    rows.append((API_ROW, lambda x: chunk_gated_delta_rule(**x), True, None))
     return rows
 
 
@@ -260,23 +311,28 @@ def train_bytes(p: Problem) -> int:
     return 2 * useful_bytes(p)
 
 
-def _autograd_step(fn):
-    """fn(**inputs) -> (o, final state) as one training step: forward, then the gradients of every
-    input for the upstream gradients do and dht, returned as gdn_bwd's outputs."""
-    def step(x):
+def _autograd_row(name: str, fn, checked: bool) -> tuple:
+    """A training row through autograd, fn(**inputs) -> (o, final state): (name, step, checked,
+    backward). ``step(x)`` runs the forward, then the gradients of every input for the upstream
+    gradients do and dht, returned as gdn_bwd's outputs; ``backward(x)`` runs the same forward once
+    and returns the call that computes those gradients from its graph, kept (``retain_graph``) for
+    as many calls as the timing makes."""
+    def forward(x):
         names = ("q", "k", "v", "g", "beta", "initial_state")
         leaves = {n: x[n].detach().requires_grad_() for n in names}
         with torch.enable_grad():
             o, ht = fn(**{**x, **leaves, "output_final_state": True})
-            grads = torch.autograd.grad((o, ht), list(leaves.values()), (x["do"], x["dht"]))
-        return grads
-    return step
+        return functools.partial(torch.autograd.grad, (o, ht), list(leaves.values()), (x["do"], x["dht"]))
+    return name, lambda x: forward(x)(), checked, lambda x: functools.partial(forward(x), retain_graph=True)
 
 
-def train_candidates() -> list[tuple[str, object, object]]:
-    """(row name, step(inputs with do, dht) -> (dq, dk, dv, dg, dbeta, dh0), checked?) for a
-    training step: FLA, FlashQLA and the API through autograd; each gdn_bwd stage after the
-    promoted forward (``flashqla.fwd``)."""
+def train_candidates() -> list[tuple[str, object, bool, object]]:
+    """(row name, step(inputs with do, dht) -> (dq, dk, dv, dg, dbeta, dh0), checked?, backward)
+    for a training step: FLA, FlashQLA and the API through autograd (``_autograd_row``); each
+    gdn_bwd stage after the promoted forward (``flashqla.fwd``). ``backward(x)`` runs once what the
+    backward needs before it and returns the backward alone as a call without arguments: for the
+    autograd rows the forward, with grad; for a stage row nothing (the stage's ``run`` takes the
+    inputs and recomputes what it needs; ``fwd.forward`` is the forward's part of the step)."""
     from flashqla import fwd
     from flashqla.api import chunk_gated_delta_rule
 
@@ -287,16 +343,15 @@ def train_candidates() -> list[tuple[str, object, object]]:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
 
-            rows.append((FLA_ROW.split(" ")[0], _autograd_step(
-                lambda **x: fla_gdn(**{n: x[n] for n in fwd_args}, output_final_state=True)), False))
+            rows.append(_autograd_row(FLA_ROW.split(" ")[0], lambda **x: fla_gdn(
+                **{n: x[n] for n in fwd_args}, output_final_state=True), False))
         except ImportError:
             pass
     try:
         import flash_qla
 
-        rows.append((FLASHQLA_ROW, _autograd_step(
-            lambda **x: flash_qla.chunk_gated_delta_rule(**{n: x[n] for n in fwd_args},
-                                                         output_final_state=True)), False))
+        rows.append(_autograd_row(FLASHQLA_ROW, lambda **x: flash_qla.chunk_gated_delta_rule(
+            **{n: x[n] for n in fwd_args}, output_final_state=True), False))
     except ImportError:
         pass
     for stage in discover():
@@ -304,10 +359,10 @@ def train_candidates() -> list[tuple[str, object, object]]:
             def step(x, s=stage):
                 fwd.forward(*(x[n] for n in fwd_args[:7]), True, x["cu_seqlens"])
                 return s.module.run(**{n: x[n] for n in bwd_args})
-            rows.append((f"fwd + {stage.name}", step, True))
-    rows.append((API_ROW, _autograd_step(
-        lambda **x: chunk_gated_delta_rule(**{n: x[n] for n in fwd_args}, output_final_state=True)),
-        True))
+            rows.append((f"fwd + {stage.name}", step, True, lambda x, s=stage: functools.partial(
+                s.module.run, **{n: x[n] for n in bwd_args})))
+    rows.append(_autograd_row(API_ROW, lambda **x: chunk_gated_delta_rule(
+        **{n: x[n] for n in fwd_args}, output_final_state=True), True))
     return rows
 
 
@@ -318,7 +373,7 @@ class Mode:
     name: str               # the CSV's stem and the Results page's markers
     title: str
     problems: tuple
-    candidates: object      # () -> [(row name, fn(inputs), checked against the reference?)]
+    candidates: object      # () -> [(row name, fn(inputs), checked?, backward or None)]
     check_op: str           # flashqla.stages.OPS entry whose reference checks the rows
     flops: object           # Problem -> useful FLOPs
     bytes: object           # Problem -> compulsory HBM bytes
@@ -351,10 +406,10 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     cands = mode.candidates()
     if rows_to_time is not None:
-        unknown = set(rows_to_time) - {name for name, _, _ in cands}
+        unknown = set(rows_to_time) - {c[0] for c in cands}
         if unknown:
             raise ValueError(f"bench: `rows` {sorted(unknown)} are not rows of this machine's "
-                             f"{mode.name} benchmark: {[name for name, _, _ in cands]}")
+                             f"{mode.name} benchmark: {[c[0] for c in cands]}")
         rows_to_time = {*rows_to_time, *mode.peers}  # the vs_ columns need the peers of this run
         cands = [c for c in cands if c[0] in rows_to_time]
     failed = set()
@@ -364,7 +419,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     # and on nine (the fused kernel's two widths, gdn_fwd.s12's ``block_v``); the peers compile or
     # autotune in their first, untimed call
     jobs = [(fn, problem_inputs(Problem(H, HV, lengths), 0, training)) for H, HV in heads
-            for lengths in ((70,), (70,) * 9) for name, fn, _ in cands if name not in mode.peers]
+            for lengths in ((70,), (70,) * 9) for name, fn, _, _ in cands if name not in mode.peers]
     def compile_row(job):
         try:
             job[0](job[1])
@@ -375,7 +430,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
         x = op_inputs(mode.check_op, Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1))
-        for name, fn, checked in cands:
+        for name, fn, checked, _ in cands:
             if not checked:
                 continue
             try:
@@ -392,23 +447,22 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
         floor_ms = max(flops / tflops_roof / 1e9, nbytes / gbs_roof / 1e6)
         base = {}
         sets = input_sets(p, l2, training)
-        for name, fn, _ in cands:
+        for name, fn, _, backward in cands:
             if name in failed:
                 rows.append(dict(problem=p.label, impl=name, ms="", method="FAILED its check"))
                 continue
             try:
-                ms, method = time_peer_twice(fn, sets, training) if name in mode.peers else \
-                    time_row(fn, sets, grad=training)
-                eager = eager_ms(fn, sets, training, ms)
+                times = time_candidate(name, fn, backward, sets, mode)
             except Exception as exc:  # noqa: BLE001 -- e.g. a peer without this feature: said why
                 rows.append(dict(problem=p.label, impl=name, ms="",
                                  method=f"ERROR {type(exc).__name__}: {str(exc)[:120]}"))
                 print(f"ERROR {name} on {p.label}: {exc}", flush=True)
                 _stop_if_device_lost(name, p.label)
                 continue
+            ms = times.pop("ms")
             base.setdefault(name, ms)
-            rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), eager_ms=round(eager, 4),
-                             method=method,
+            rows.append(dict(problem=p.label, impl=name, ms=round(ms, 4), method=times.pop("method"),
+                             **{k: round(v, 4) for k, v in times.items()},  # eager_ms, bwd_ms
                              tflops=round(flops / ms / 1e9, 1),
                              pct_gemm_roof=round(100 * flops / ms / 1e9 / tflops_roof, 1),
                              gbs=round(nbytes / ms / 1e6), pct_copy_roof=round(
@@ -426,7 +480,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
 
 
 COLUMNS = ("problem", "impl", "ms", "vs_fla", "vs_flashqla", "tflops", "pct_gemm_roof", "gbs",
-           "pct_copy_roof", "x_floor", "method", "eager_ms")
+           "pct_copy_roof", "x_floor", "method", "eager_ms", "bwd_ms")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -439,7 +493,9 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    fields = list(COLUMNS) + [k for k in rows[0] if k not in COLUMNS]
+    """The rows as a CSV: the COLUMNS some row has (a forward run has no ``bwd_ms``), in their
+    order, then the provenance."""
+    fields = [c for c in COLUMNS if any(c in r for r in rows)] + [k for k in rows[0] if k not in COLUMNS]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -531,7 +587,11 @@ def summary_table(runs: dict[str, list[dict]]) -> str:
              "brackets. Each ratio compares rows timed in one run.", ""]
     for m in modes:
         api = [r for r in runs[m.name] if r["impl"] == API_ROW and r["ms"]]
-        per_layout = len(ratios[m.name]) // len({heads_and_lengths(x)[:2] for x in ratios[m.name]})
+        counts = {}  # problems timed per layout: a run of some layouts leaves others with fewer
+        for x in ratios[m.name]:
+            counts[heads_and_lengths(x)[:2]] = counts.get(heads_and_lengths(x)[:2], 0) + 1
+        low, high = min(counts.values()), max(counts.values())
+        per_layout = f"{low}" if low == high else f"{low}-{high}"
         commits = list(dict.fromkeys(r["commit"][:7] for r in api))
         lines.append(f"- {m.title.capitalize()}: {per_layout} problems a layout ({_mixes(ratios[m.name])} "
                      f"tokens) on {provenance(api)['gpu']}, commit{'s' * (len(commits) > 1)} "
@@ -547,17 +607,22 @@ def summary_table(runs: dict[str, list[dict]]) -> str:
 
 def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
     """Markdown for the Results page: every problem with its useful work, FLA, FlashQLA and the API
-    (ms, ratios, napkin math) and the fastest flashqla stage, then the provenance of every row shown."""
+    (ms, ratios, napkin math; the backward alone where the CSV has it) and the fastest flashqla
+    stage, then the provenance of every row shown."""
     ratios = api_ratios(rows, mode)
     shown, best_rows = [], []
     eager = any(r.get("eager_ms") for r in rows)  # runs from before the eager column have none
+    bwd = any(r.get("bwd_ms") for r in rows)      # nor the backward's
     lines = ["| problem | GFLOP | MB | FLA ms | FlashQLA ms | API ms | vs FLA | vs FlashQLA | "
              + ("eager ms: FLA, FlashQLA, API | " if eager else "")
+             + ("backward ms: FLA, FlashQLA, API | " if bwd else "")
              + "API TFLOP/s (% GEMM roof) | API GB/s (% copy roof) | API x floor | fastest stage: ms (commit) |",
-             "|---" * (13 if eager else 12) + "|"]
+             "|---" * (12 + eager + bwd) + "|"]
 
-    def ms(r):
-        return r["ms"] + ("" if r["method"] == GRAPH else " †")
+    def ms(r, column="ms"):
+        if not r.get(column):
+            return "-"
+        return r[column] + ("" if row_methods(r)[column == "bwd_ms"] == GRAPH else " †")
 
     for label, got in _by_problem(rows).items():
         H, HV, lengths = heads_and_lengths(label)
@@ -571,10 +636,13 @@ def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
             f"| {short_label(label)} | {mode.flops(p) / 1e9:.1f} | {mode.bytes(p) / 1e6:.0f} | {ms(fla)} | "
             f"{ms(flashqla)} | {ms(api)} | {ratios[label][0]:.2f} | {ratios[label][1]:.2f} | "
             + (" / ".join(r.get("eager_ms") or "-" for r in (fla, flashqla, api)) + " | " if eager else "")
+            + (" / ".join(ms(r, "bwd_ms") for r in (fla, flashqla, api)) + " | " if bwd else "")
             + f"{api['tflops']} ({api['pct_gemm_roof']} %) | {api['gbs']} ({api['pct_copy_roof']} %) | "
             f"{api['x_floor']} | "
             + (f"{stage_id(best['impl'])}: {ms(best)} ({best['commit'][:7]}) |" if best else "- |"))
-    methods = dict.fromkeys(r["method"] for r in shown + best_rows if r["method"] != GRAPH)
+    marked = [row_methods(r)[0] for r in shown + best_rows]
+    marked += [row_methods(r)[1] for r in shown if r.get("bwd_ms")]
+    methods = dict.fromkeys(m for m in marked if m != GRAPH)
     if methods:
         lines += ["", "† " + "; ".join(methods) + "."]
     meta = provenance(shown + best_rows)
@@ -591,6 +659,13 @@ def results_table(rows: list[dict], mode: Mode = FORWARD) -> str:
                      f"process: bf16 GEMM {run['gemm_roof_tflops']} TFLOP/s, copy {run['copy_roof_gbs']} "
                      f"GB/s): " + "; ".join(roles) + ".")
     return "\n".join(lines)
+
+
+def row_methods(r: dict) -> tuple[str, str]:
+    """(how ``ms`` was timed, how ``bwd_ms`` was) of a CSV row: ``method`` names the backward's
+    after "; bwd_ms: " where the two differ."""
+    step, _, backward = r["method"].partition("; bwd_ms: ")
+    return step, backward or step
 
 
 def replace_between(text: str, name: str, block: str) -> str:

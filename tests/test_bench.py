@@ -622,3 +622,168 @@ def test_cp_rows_reach_the_csv_as_they_come(tmp_path):
     assert float(api1["vs_fla"]) == 4.0 and float(api1["efficiency"]) == 1.0
     assert float(api2["efficiency"]) == 0.8 and float(api2["exchange_share"]) == 0.2
     assert api2["vs_fla"] == ""  # FLA not timed on two GPUs in this run
+
+
+def test_training_has_one_odd_varlen_mix_per_layout():
+    """One training problem per head layout packs sequences of lengths that are no multiple of the
+    64-token chunk, among them one shorter than a chunk and one over 8192; the forward has no such
+    problem; its label reads back."""
+    odd = [p for p in bench.TRAINING.problems if all(n % bench.CHUNK for n in p.lengths)]
+    assert [(p.H, p.HV) for p in odd] == list(bench.PUBLIC_HEADS)
+    for p in odd:
+        assert min(p.lengths) < bench.CHUNK < 8192 < max(p.lengths) and len(p.lengths) > 2
+        assert bench.short_label(p.label) == f"({p.H}, {p.HV}) " + "+".join(map(str, p.lengths))
+        assert bench.heads_and_lengths(p.label) == (p.H, p.HV, list(p.lengths))
+    assert not [p for p in bench.PROBLEMS if all(n % bench.CHUNK for n in p.lengths)]
+
+
+def test_summary_counts_problems_a_layout_when_some_are_untimed():
+    """A run that timed the odd mix on one layout only: the README's summary says 3-4 problems."""
+    runs = {name: bench.read_csv(bench.RESULTS / f"{name}.csv") for name in bench.MODES}
+    odd = {p.label for p in bench.TRAINING.problems if p.lengths == bench.ODD_MIX}
+    three = [r for r in runs["gdn_train"] if r["problem"] not in odd]
+    one = [dict(r, problem=f"(2, 8) {'+'.join(map(str, bench.ODD_MIX))}") for r in three
+           if r["problem"] == "(2, 8) 1x8192"]
+    head = "Training step (forward + backward): {} problems a layout ("
+    assert head.format(3) in bench.summary_table({**runs, "gdn_train": three})
+    assert head.format("3-4") in bench.summary_table({**runs, "gdn_train": three + one})
+
+
+def _cpu_training_inputs():
+    """A small varlen training problem on the CPU in float32 (the API runs the reference there),
+    with its upstream gradients do and dht."""
+    from flashqla.testing import cast_floats
+
+    x = Problem(1, 2, (40, 25), K=16, V=16).inputs("cpu", seed=3)
+    return cast_floats(bench._with_upstream_grads(x, 3), torch.float32)
+
+
+def test_the_api_rows_backward_is_the_steps_gradients_from_one_forward(monkeypatch):
+    """The API's training row on the CPU: ``backward(x)`` runs the forward once and returns a call
+    that gives the step's gradients, equal, every time it is called (the timing replays it); the
+    step runs a forward each call. Without ``retain_graph`` the second call raises; a backward
+    that ran the forward inside the call would count more forwards; other gradients differ."""
+    import warnings
+
+    from flashqla import api
+
+    forwards = []
+    real = api.chunk_gated_delta_rule
+
+    def counted(**kw):
+        forwards.append(1)
+        return real(**kw)
+
+    monkeypatch.setattr(api, "chunk_gated_delta_rule", counted)
+    _, step, checked, backward = {c[0]: c for c in bench.train_candidates()}[bench.API_ROW]
+    assert checked
+    x = _cpu_training_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time warning: the reference runs on the CPU
+        want = step(x)
+        assert len(forwards) == 1 and len(want) == 6 and all(d.shape == x[n].shape for d, n in zip(
+            want, ("q", "k", "v", "g", "beta", "initial_state")))
+        call = backward(x)
+        assert len(forwards) == 2
+        for _ in range(3):
+            got = call()
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert len(forwards) == 2
+
+
+def test_a_stage_rows_backward_is_its_run_alone(monkeypatch):
+    """A gdn_bwd stage's row: the step runs the library's forward then the stage's ``run``; the
+    backward runs ``run`` alone, on the backward's inputs, once a call."""
+    from types import SimpleNamespace
+
+    from flashqla import fwd
+
+    calls = []
+    module = SimpleNamespace(run=lambda **kw: calls.append(("run", sorted(kw))) or "grads")
+    stage = SimpleNamespace(op="gdn_bwd", name="gdn_bwd/s99_fake", module=module, missing=lambda: None)
+    monkeypatch.setattr(bench, "discover", lambda: [stage])
+    monkeypatch.setattr(fwd, "forward", lambda *args: calls.append(("forward", len(args))))
+    rows = {name: (step, backward) for name, step, _, backward in bench.train_candidates()}
+    step, backward = rows["fwd + gdn_bwd/s99_fake"]
+    x = _cpu_training_inputs()
+    run = ("run", sorted(("q", "k", "v", "g", "beta", "do", "dht", "scale", "initial_state", "cu_seqlens")))
+    assert step(x) == "grads" and calls == [("forward", 9), run]
+    calls.clear()
+    call = backward(x)
+    assert calls == []
+    assert call() == call() == "grads" and calls == [run, run]
+
+
+@pytest.mark.parametrize("impl", [bench.API_ROW, bench.FLASHQLA_ROW])
+def test_bwd_ms_is_the_same_timer_on_the_backward_alone(monkeypatch, impl):
+    """``time_candidate``: the step, then the backward's calls (one per input set, the forward run
+    before), with one timer (``time_peer_twice`` for a peer, ``time_row`` for ours) over the same
+    sets; ``method`` names the backward's where it differs. A forward row has no ``bwd_ms``."""
+    timed = []
+
+    def timer(kind):
+        def run(fn, sets, grad=False):
+            timed.append((kind, [fn(x) for x in sets], grad))
+            return (1.5, bench.GRAPH) if len(timed) == 1 else (0.5, "CUDA events, no graph (capture failed)")
+        return run
+
+    monkeypatch.setattr(bench, "time_row", timer("ours"))
+    monkeypatch.setattr(bench, "time_peer_twice", timer("peer"))
+    monkeypatch.setattr(bench, "eager_ms", lambda fn, sets, grad, ms: 2.0)
+    monkeypatch.setattr(bench, "backward_calls", lambda backward, sets: [backward(x) for x in sets])
+    sets = [dict(n=1), dict(n=2)]
+    step = lambda x: ("step", x["n"])  # noqa: E731
+    backward = lambda x: lambda: ("backward", x["n"])  # noqa: E731
+    got = bench.time_candidate(impl, step, backward, sets, bench.TRAINING)
+    kind = "peer" if impl == bench.FLASHQLA_ROW else "ours"
+    assert timed == [(kind, [("step", 1), ("step", 2)], True), (kind, [("backward", 1), ("backward", 2)], True)]
+    assert got == dict(ms=1.5, eager_ms=2.0, bwd_ms=0.5,
+                       method=f"{bench.GRAPH}; bwd_ms: CUDA events, no graph (capture failed)")
+    assert bench.row_methods(got) == (bench.GRAPH, "CUDA events, no graph (capture failed)")
+    timed.clear()
+    assert bench.time_candidate(impl, step, None, sets, bench.FORWARD) == dict(ms=1.5, eager_ms=2.0, method=bench.GRAPH)
+    assert [t[2] for t in timed] == [False]
+
+
+def test_bwd_ms_is_a_column_of_training_csvs_only(tmp_path):
+    """``bwd_ms`` is one of COLUMNS: a training run's CSV has it (empty for rows timed before it
+    existed), a forward run's does not; the Results page shows it where the CSV has it."""
+    assert "bwd_ms" in bench.COLUMNS
+    meta = dict(gpu="H100", commit="abc")
+    old = dict(problem="(2, 8) 1x8192", impl="FLA", ms="0.9", method=bench.GRAPH, **meta)
+    new = dict(problem="(2, 8) 1x8192", impl=bench.API_ROW, ms=0.6, method=bench.GRAPH, bwd_ms=0.4, **meta)
+    bench.write_csv([old, new], tmp_path / "train.csv")
+    read = bench.read_csv(tmp_path / "train.csv")
+    assert [r["bwd_ms"] for r in read] == ["", "0.4"]
+    bench.write_csv([{k: v for k, v in new.items() if k != "bwd_ms"}], tmp_path / "fwd.csv")
+    assert "bwd_ms" not in bench.read_csv(tmp_path / "fwd.csv")[0]
+    rows = [r for r in bench.read_csv(bench.RESULTS / "gdn_train.csv") if r["problem"] == "(2, 8) 1x8192"]
+    page = bench.results_table(rows, bench.TRAINING)
+    assert "backward ms" not in page
+    for r, t in zip(rows, ("0.5", "0.2", "0.3")):
+        r["bwd_ms"] = t
+    rows[1]["method"] += "; bwd_ms: CUDA events, no graph (capture failed)"
+    page = bench.results_table(rows, bench.TRAINING)
+    assert "| backward ms: FLA, FlashQLA, API |" in page and "| 0.5 / 0.2 † / 0.3 |" in page
+    assert f"| {rows[1]['ms']} |" in page  # the step's own time is a graph replay: unmarked
+    assert "† CUDA events, no graph (capture failed)." in page
+    assert all(len(line.split("|")) == len(page.splitlines()[0].split("|")) for line in page.splitlines()[:3])
+
+
+@pytest.mark.gpu
+def test_a_backward_whose_forward_ran_before_is_captured_in_a_graph():
+    """On a GPU: an autograd row's backward alone (its forward run by ``backward_calls``, outside
+    the capture) replays from a CUDA graph like its step: ``method`` names no fallback. Autograd
+    runs a backward kernel on its forward's stream: with the forward on the default stream (not
+    ``capture_stream()``), the backward's kernels would leave the capture and ``method`` would
+    name the events fallback for bwd_ms."""
+    def toy(q, k, v, g, beta, initial_state, **_):  # every input used; o and ht in the kernels' dtypes
+        o = v.float() * ((q.float() * k.float()).sum(-1, keepdim=True) * (g * beta).unsqueeze(-1))
+        return o.to(v.dtype), initial_state * beta.sum()
+
+    _, step, _, backward = bench._autograd_row("toy", toy, False)
+    p = Problem(1, 1, (300, 77))
+    sets = bench.input_sets(p, 3 * bench.useful_bytes(p) // 2, training=True)
+    assert len(sets) == 3
+    times = bench.time_candidate("toy", step, backward, sets, bench.TRAINING)
+    assert times["method"] == bench.GRAPH and times["bwd_ms"] > 0, times
