@@ -589,7 +589,7 @@ if hopper_gpu_missing() is None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for p in (Problem(16, 64, (32768,)), Problem(2, 8, (32768,))):
         sets = bench.input_sets(p, l2)
-        for name, fn, _ in bench.candidates():
+        for name, fn, _, _ in bench.candidates():
             if name in COURSE:
                 ms, method = bench.time_row(fn, sets)
                 print(f"{p.label:22s} {name:34s} {ms:8.3f} ms  ({method})")
