@@ -35,11 +35,12 @@ than it), TFLOP/s and GB/s with their percentage of the roofs measured in the sa
 bf16 matmul, a 1 GiB copy), ``x_floor``: ms over max(FLOPs / GEMM roof, bytes / copy roof), the
 card's floor for this work, ``method``, ``eager_ms`` and, in training runs, ``bwd_ms``.
 
-Before timing, every flashqla row (not the peers') is checked against the float64 reference
-(``testing.check_op``) on a small varlen problem with the same heads; a stage that fails is
-reported as FAILED and not timed. ``python -m flashqla bench --report`` redraws, on any machine,
-from the committed CSVs: the plots, the book's Results page (every problem) and the README's
-summary (per head layout).
+First the peers run once on every problem in parallel processes, one a head layout, so that their
+compiles overlap (``start_peer_warmup``). Before timing, every flashqla row (not the peers') is
+checked against the float64 reference (``testing.check_op``) on a small varlen problem with the
+same heads; a stage that fails is reported as FAILED and not timed. ``python -m flashqla bench
+--report`` redraws, on any machine, from the committed CSVs: the plots, the book's Results page
+(every problem) and the README's summary (per head layout).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,6 +399,47 @@ TRAINING = Mode("gdn_train", "training step (forward + backward)",
 MODES = {m.name: m for m in (FORWARD, TRAINING)}
 
 
+def start_peer_warmup(mode: Mode, problems) -> dict:
+    """Start one process per head layout of ``problems`` that runs each peer once on each of that
+    layout's problems (``_run_peers_once``), all at once: FlashQLA compiles its TileLang kernels on
+    a layout's first calls, one after another (3-4 minutes a layout on a fresh H100 machine), and
+    FLA its Triton ones; run in parallel, the compiles cost about one layout's time, and TileLang's
+    and Triton's disk caches then serve the timed run's untimed first calls. -> {(H, HV): process}."""
+    labels = {}
+    for p in problems:
+        labels.setdefault((p.H, p.HV), []).append(short_label(p.label))
+    code = "import sys; from flashqla import bench; bench._run_peers_once(sys.argv[1], sys.argv[2:])"
+    return {heads: subprocess.Popen([sys.executable, "-c", code, mode.name, *names],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for heads, names in labels.items()}
+
+
+def wait_peer_warmup(procs: dict) -> None:
+    """Wait for ``start_peer_warmup``'s processes; one that failed (out of memory, say) leaves its
+    layout's compiles to the timed run's first calls, and says so."""
+    for (H, HV), proc in procs.items():
+        if proc.wait() != 0:
+            print(f"bench: warming the peers on ({H}, {HV}) failed (exit {proc.returncode}); "
+                  "they compile in their first timed-run call instead", flush=True)
+
+
+def _run_peers_once(mode_name: str, labels: list[str]) -> None:
+    """``start_peer_warmup``'s child: each peer of mode ``mode_name`` called once on each problem
+    that ``labels`` name (short labels), its inputs freed after each."""
+    mode = MODES[mode_name]
+    peers = [c for c in mode.candidates() if c[0] in mode.peers]
+    for p in mode.problems:
+        if short_label(p.label) not in labels:
+            continue
+        x = problem_inputs(p, 0, mode is TRAINING)
+        for _, fn, *_ in peers:
+            with torch.no_grad():  # a training row turns grad on itself
+                fn(x)
+        torch.cuda.synchronize()
+        del x
+        torch.cuda.empty_cache()
+
+
 def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mode = FORWARD,
               rows_to_time=None) -> list[dict]:
     """Check, then time every row (or only ``rows_to_time`` and both peers) on every problem; the
@@ -414,10 +457,11 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
         cands = [c for c in cands if c[0] in rows_to_time]
     failed = set()
     heads = sorted({(p.H, p.HV) for p in problems})
+    # the peers' compiles, one process a head layout (``start_peer_warmup``), beside ours:
     # JIT-compile our TileLang rows (the stages and the API) for every head configuration, all on
     # threads (one run hung compiling in the main thread after a threaded warm-up), on one sequence
-    # and on nine (the fused kernel's two widths, gdn_fwd.s12's ``block_v``); the peers compile or
-    # autotune in their first, untimed call
+    # and on nine (the fused kernel's two widths, gdn_fwd.s12's ``block_v``)
+    warming = start_peer_warmup(mode, problems)
     jobs = [(fn, problem_inputs(Problem(H, HV, lengths), 0, training)) for H, HV in heads
             for lengths in ((70,), (70,) * 9) for name, fn, _, _ in cands if name not in mode.peers]
     def compile_row(job):
@@ -427,6 +471,7 @@ def run_bench(commit: str, csv_path: Path, problems=PROBLEMS, keep=(), mode: Mod
             print(f"compile of a row failed: {type(exc).__name__}: {exc}", flush=True)
 
     run_on_threads([functools.partial(compile_row, job) for job in jobs])
+    wait_peer_warmup(warming)
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     for H, HV in heads:
         x = op_inputs(mode.check_op, Problem(H, HV, CHECK_LENGTHS).inputs("cuda", seed=1))

@@ -2,6 +2,7 @@
 page are generated from the CSVs; the README is short and its map, links and usage hold; the CSVs
 hold what the stages' docstrings quote."""
 
+import dataclasses
 import math
 import sys
 
@@ -787,3 +788,42 @@ def test_a_backward_whose_forward_ran_before_is_captured_in_a_graph():
     assert len(sets) == 3
     times = bench.time_candidate("toy", step, backward, sets, bench.TRAINING)
     assert times["method"] == bench.GRAPH and times["bwd_ms"] > 0, times
+
+
+def test_peers_warm_up_in_one_process_per_head_layout(monkeypatch, capsys):
+    """start_peer_warmup: one child a head layout naming that layout's problems; its child calls
+    each peer (never one of our rows) once on each named problem; a failed child is said, not fatal."""
+    import subprocess
+
+    started = []
+
+    class Proc:
+        def __init__(self, argv, **kw):
+            started.append(argv)
+            self.returncode = 1 if "(4, 16) 1x8192" in argv else 0
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    problems = [p for p in bench.TRAINING.problems if (p.H, p.HV) in ((2, 8), (4, 16))]
+    procs = bench.start_peer_warmup(bench.TRAINING, problems)
+    assert sorted(procs) == [(2, 8), (4, 16)]
+    for argv in started:
+        H, HV = bench.heads_and_lengths(argv[4])[:2]
+        assert argv[3] == "gdn_train"
+        assert argv[4:] == [bench.short_label(p.label) for p in problems if (p.H, p.HV) == (H, HV)]
+    bench.wait_peer_warmup(procs)
+    assert "warming the peers on (4, 16) failed" in capsys.readouterr().out
+
+    calls = []
+    fake = [(name, lambda x, name=name: calls.append((name, x)), False, None)
+            for name in (*bench.TRAINING.peers, bench.API_ROW)]
+    monkeypatch.setattr(bench, "MODES", {"gdn_train": dataclasses.replace(
+        bench.TRAINING, candidates=lambda: fake)})
+    monkeypatch.setattr(bench, "problem_inputs", lambda p, seed, training: p.label)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    bench._run_peers_once("gdn_train", started[0][4:])
+    want = [p.label for p in problems if bench.short_label(p.label) in started[0][4:]]
+    assert calls == [(peer, label) for label in want for peer in bench.TRAINING.peers]
