@@ -4,8 +4,9 @@ On the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
     python3 profiles/ncu_lab.py profile STAGE_ID OUT.csv [--commit SHA] [--problem H,HV,LEN[+LEN...]]
 
-STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00`` or ``chunk_kkt.s01``, or
-``FlashQLA`` for the peer's forward (its kernels, inside an NVTX range of that name). The
+STAGE_ID is a ``flashqla.stages.discover()`` id such as ``gdn_fwd.s00``, ``chunk_kkt.s01`` or
+``gdn_bwd.s03``, or ``FlashQLA`` for the peer's forward, ``FlashQLA.bwd`` for its backward (its
+kernels, inside an NVTX range of that name; the backward's forward runs outside it). The
 ``profile`` step runs, as a child process,
 
     ncu --nvtx --nvtx-include "flashqla@STAGE_ID/" --profile-from-start off --clock-control none
@@ -101,6 +102,34 @@ def flashqla_peer(**inputs):
         return flash_qla.chunk_gated_delta_rule(**inputs)
 
 
+def flashqla_peer_backward(q, k, v, g, beta, do, dht, scale=None, initial_state=None, cu_seqlens=None):
+    """FlashQLA's backward: its forward through autograd, then the gradients of q, k, v, g, beta and
+    the initial state for do and dht inside an NVTX range ``FlashQLA.bwd`` (the id ``FlashQLA.bwd``),
+    so that only the backward's kernels are profiled."""
+    import flash_qla
+    import torch
+
+    from flashqla.nvtx import nvtx_range
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
+    with torch.enable_grad():
+        o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5],
+                                                 output_final_state=True, cu_seqlens=cu_seqlens)
+    with nvtx_range("FlashQLA.bwd"):
+        return torch.autograd.grad((o, ht), leaves, (do, dht))
+
+
+PEERS = {"FlashQLA": ("gdn_fwd", flashqla_peer), "FlashQLA.bwd": ("gdn_bwd", flashqla_peer_backward)}
+
+
+def find_target(stage_id: str) -> tuple:
+    """(op, run) of a stage id or a peer's (``PEERS``)."""
+    if stage_id in PEERS:
+        return PEERS[stage_id]
+    stage = find_stage(stage_id)
+    return stage.op, stage.module.run
+
+
 def parse_problem(text: str | None) -> tuple:
     """``H,HV,LEN[+LEN...]`` -> ``flashqla.testing.Problem``'s (H, HV, lengths); None: PROBLEM_ARGS."""
     if text is None:
@@ -115,11 +144,7 @@ def target(stage_id: str, problem: str | None) -> None:
 
     from flashqla.testing import Problem, op_inputs
 
-    if stage_id == "FlashQLA":
-        op, run = "gdn_fwd", flashqla_peer
-    else:
-        stage = find_stage(stage_id)
-        op, run = stage.op, stage.module.run
+    op, run = find_target(stage_id)
     inputs = op_inputs(op, Problem(*parse_problem(problem)).inputs("cuda"))
     run(**inputs)
     torch.cuda.synchronize()

@@ -63,3 +63,20 @@ def test_the_check_catches_a_wrong_number(old, new):
     text = PAGE.read_text()
     assert old in text
     assert missing_quotes(text.replace(old, new))
+
+
+def test_ncu_lab_profiles_a_backward_stage_and_flashqlas_backward():
+    """The ncu lab's targets: a stage id gives its op and run (the gdn_bwd stages' runs open their
+    NVTX range, e.g. ``gdn_bwd.s03``); ``FlashQLA`` and ``FlashQLA.bwd`` give the peer's forward and
+    its backward alone, each inside an NVTX range of its id that ncu's filter names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ncu_lab", ROOT / "profiles" / "ncu_lab.py")
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    op, run = lab.find_target("gdn_bwd.s03")
+    assert op == "gdn_bwd" and 'nvtx_range("gdn_bwd.s03")' in Path(run.__code__.co_filename).read_text()
+    assert lab.find_target("FlashQLA")[0] == "gdn_fwd" and lab.find_target("FlashQLA.bwd")[0] == "gdn_bwd"
+    for stage_id in ("gdn_bwd.s03", "FlashQLA.bwd"):
+        assert f"flashqla@{stage_id}/" in lab.ncu_command(stage_id, "log", "16,64,32768")
+    assert 'nvtx_range("FlashQLA.bwd")' in (ROOT / "profiles" / "ncu_lab.py").read_text()
