@@ -68,6 +68,7 @@ MILESTONES = (
     "gdn_fwd.s44",  # the final forward, the library's
     "gdn_bwd.s01",  # the chunked backward, a kernel per sub-step
     "gdn_bwd.s02",  # the fused backward, the library's
+    "gdn_bwd.s03",  # backward AutoCP: the walks cut into segments, the library's where its rule splits
 )
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"

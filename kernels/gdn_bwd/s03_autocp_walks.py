@@ -77,8 +77,9 @@ measured bf16 roof) and 180 GB/s of compulsory bytes (6.1 % of the copy roof): l
 chains and HBM round trips, not a roof. The split cut the walks as planned; what is left is s02's
 five launches and their ~470 KiB of HBM traffic per (chunk, value head) (BACKWARD.md 4).
 
-Taught in: the lab log (backward AutoCP; BACKWARD.md 5, s03_autocp_walks). Promoted: the library's
-backward (``flashqla/bwd.py``) runs this plan where the rule splits.
+Promoted: the library's backward (``flashqla/bwd.py``) runs this plan where the rule splits.
+
+Taught in: notebooks/08_backward_autocp.py.
 """
 
 import functools
