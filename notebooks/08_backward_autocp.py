@@ -67,7 +67,7 @@ def rows_of(csv_name):
 S02, S03, S04 = (f"fwd + gdn_bwd/{s}" for s in ("s02_fused_walks", "s03_autocp_walks", "s04_fused_reverse"))
 
 # %% [markdown]
-# ## 1. Why: two walks, one CTA per (sequence, value head)
+# ## 1. Why: the walks are sequential per (sequence, value head)
 #
 # `gdn_bwd.s02`'s walk kernel runs each walk as `bwd.WALK_LANES` CTAs per (sequence, value head):
 # two roles (the forward's chain, the reverse one) times two tiles of 64 value columns, one CTA an
@@ -120,10 +120,11 @@ assert [round(v, 2) for v in behind.values()] == [0.46, 0.33, 0.51, 0.44] and bw
 # sequence of its own: its local backward (chapter 07, from initial state $h_j$ and final-state
 # gradient $dh_j$) gives the gradients of all its tokens, and the first segment's gives $dh_0$.
 #
-# The kernels walk the gate-cancelled form of the step (`reference.dh_chain_cancelled`, FlashQLA's
-# `cp_bwd`): $M_c^\top = e^{\gamma_C}(I - X^\top K)$ with $X = A_b K$ from the gate-free solve, and
-# $R_c$ without any decay matrix. It needs neither $v$ nor $h$: the gradient of a state depends only
-# on what comes after it. Checked in float64 on three sequences with the three gate kinds of every
+# The references below walk the step in its gate-cancelled form (`reference.dh_chain_cancelled`,
+# FlashQLA's `cp_bwd`): $M_c^\top = e^{\gamma_C}(I - X^\top K)$ with $X = A_b K$ from the gate-free
+# solve, and $R_c$ without any decay matrix; s03's dh warm-up kernel walks the same step in s02's
+# form, with $w$ (chapter 07). Neither needs $v$ or $h$: the gradient of a state depends only on
+# what comes after it. Checked in float64 on three sequences with the three gate kinds of every
 # `Problem` (value head 0: $g = 0$; 1: strong decay; 2, 3: ordinary), segments of $L = 3$ chunks:
 
 # %%
@@ -341,8 +342,8 @@ for H, HV in PUBLIC_HEADS:
 assert split == {"(2, 8) 1x8192": 16, "(2, 8) 1x32768": 32, "(4, 16) 1x32768": 32, "(16, 16) 1x32768": 32}
 
 # %% [markdown]
-# It splits single long sequences with at most 16 value heads; from 24 value heads on, or with
-# many sequences, the unsplit walk already fills the card. Like the forward, the backward reads no
+# It splits the single sequences of 32768 tokens with at most 16 value heads, and (2, 8) at 8192;
+# from 24 value heads on, or with many sequences, the unsplit walk already fills the card. Like the forward, the backward reads no
 # device value on the host once it has seen a `cu_seqlens` tensor, so a whole training step,
 # split or not, is captured in one CUDA graph (`tests/test_api.py`, chapter 07).
 #
@@ -428,8 +429,8 @@ print("\n" + s04_doc[s04_doc.index("Why slower"):s04_doc.index("Taught in")].str
 #   cumulative log decay reaches $-10$: wrong by $M_w^\top dS_w$, at most $e^{-10} \|dS_w\|$. Heads
 #   with $g = 0$ (or a token breaking the bound's conditions) walk the whole segment and chain
 #   $M_j^\top$. `autocp.backward_windows` plans it on the device, in backward slots.
-# - `flashqla.bwd` runs s03's plan where `bwd.segment_chunks` splits (single long sequences with at
-#   most 16 value heads on 132 SMs), graph-capturable as before.
+# - `flashqla.bwd` runs s03's plan where `bwd.segment_chunks` splits (on 132 SMs: single sequences
+#   of 32768 tokens with at most 16 value heads, and (2, 8) at 8192), graph-capturable as before.
 # - Measured on one H100: the split training steps 1.25-1.78x s02's, still 0.55-0.67x FlashQLA's;
 #   fusing the gradient work into the reverse walk without warp roles (s04) lost to s03.
 
