@@ -762,8 +762,8 @@ assert len(api_over_s02) == 9 and all(0.99 < x < 1.04 for x in api_over_s02.valu
 #
 # `flashqla/bwd.py` holds the promoted backward: a copy, unchanged, of every kernel `gdn_bwd.s02` runs
 # (its prep, walk and finish kernels, `chunk_bwd_dqkwg.s01` and `wy_bwd.s01`) and, where its rule
-# splits a long sequence into segments, of the backward AutoCP kernels of `gdn_bwd.s03` (a lab-log
-# stage: the forward's AutoCP of chapter 06, run for both walks); `tests/test_promoted.py` asserts
+# splits a long sequence into segments, of the backward AutoCP kernels of `gdn_bwd.s03` (chapter 08:
+# the forward's AutoCP of chapter 06, run for both walks); `tests/test_promoted.py` asserts
 # that each builds the same TileLang program as its stage, with the same compile options:
 
 # %%

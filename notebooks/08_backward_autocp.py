@@ -395,8 +395,8 @@ for label in ("(2, 8) 1x8192", "(2, 8) 1x32768"):
 assert [round(x_, 2) for pair in api.values() for x_ in pair] == [1.53, 0.68, 2.03, 0.6]
 
 # %% [markdown]
-# The library's training step is now about s03's on these problems: 1.53x and 2.03x FLA's speed,
-# 0.68x and 0.60x FlashQLA's.
+# The library runs s03's kernels on these problems (bit for bit, `tests/test_promoted.py`): in this run
+# 1.53x and 2.03x FLA's speed, 0.68x and 0.60x FlashQLA's.
 #
 # **The fused reverse kernel (`gdn_bwd.s04`, lab log).** The next experiment fused the reverse walk
 # with the chunk-parallel gradient kernels (`chunk_bwd_dqkwg`, `wy_bwd`): one kernel computes every
