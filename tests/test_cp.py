@@ -311,9 +311,9 @@ def _graph_worker(rank, world, port, out):
     """One rank: GRAPH_CASE's cp call, forward and backward, captured in one CUDA graph after two
     eager calls on a side stream (torch.cuda.graph's warm-up); rank 0 writes each rank's verdict:
     None when the replay gave the eager call's bits, else what went wrong. A rank still running
-    after 300 s (loading its kernels from TileLang's cache and both calls take well under that)
+    after 150 s (loading its kernels from TileLang's cache and both calls take well under that)
     prints every thread's stack and exits: the test fails with where it hung."""
-    faulthandler.dump_traceback_later(300, exit=True)
+    faulthandler.dump_traceback_later(150, exit=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # NVLink multicast off
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
