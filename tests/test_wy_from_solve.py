@@ -1,17 +1,29 @@
-"""The backward's w, u and wy_bwd on the forward's solve (gdn_bwd.s05): ``reference.chunk_w_u_ab``
-and ``reference.wy_bwd_ab`` read Ab and the gated flags where ``chunk_w_u`` and ``wy_bwd`` read Ai
-and beta, and give the same in float64 (1e-12), with beta = 0 tokens, flagged chunks (the solve's
-policy, at random, all) and varlen. The closed forms of the T_b rewrite (beta_i dA_ij and dbeta)
-hold too. Each check is shown to fail on a deliberately broken variant."""
+"""The backward's w, u and wy_bwd on the forward's solve (gdn_bwd.s05).
+
+CPU: ``reference.chunk_w_u_ab`` and ``reference.wy_bwd_ab`` read Ab and the gated flags where
+``chunk_w_u`` and ``wy_bwd`` read Ai and beta, and give the same in float64 (1e-12), with beta = 0
+tokens, flagged chunks (the solve's policy, at random, all) and varlen; the closed forms of the
+T_b rewrite (beta_i dA_ij and dbeta) hold too. Each check is shown to fail on a deliberately
+broken variant. The stage's contract and its errors.
+GPU (gpu, hopper): the stage against float64 (``check_op``) on the public shape set at its rule,
+split at a forced segment length and unsplit; without h0 or dht; with beta = 0 tokens and with
+keys the solve flags; bitwise equal from run to run; a CUDA-graph replay equals the eager call.
+"""
 
 import functools
 
 import pytest
 import torch
 
+from flashqla import autocp
 from flashqla import reference as ref
-from flashqla.testing import Problem, adversarial_inputs, cast_floats, rel_l2
+from flashqla.stages import load
+from flashqla.testing import (PUBLIC_HEADS, Problem, adversarial_inputs, cast_floats, check_op, op_inputs, rel_l2,
+                              run_on_threads)
 from test_backward_reference import mutant
+from test_bwd_autocp import GPU_PROBLEMS, check_graph_replay, check_segmented_stage_contract, gpu_inputs
+
+S05 = load("gdn_bwd", 5)
 
 F64 = torch.float64
 TOL = 1e-12
@@ -152,3 +164,86 @@ def test_check_fails_on_broken_variant(monkeypatch, name, check):
 def test_closed_form_check_fails_without_the_m_t_term():
     """The dbeta closed form needs its second term: dropped, the check fails."""
     assert check_closed_forms("varlen", "random", m_t_term=False) > 1e-3
+
+
+def test_stage_contract():
+    check_segmented_stage_contract(S05)
+
+
+# ---- on the GPU -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The stage's kernels, split and not, for every public head layout, compiled on threads first."""
+    run_on_threads([functools.partial(S05.run, **gpu_inputs(Problem(H, HV, (700, 70))), cp=cp)
+                    for H, HV in PUBLIC_HEADS for cp in (2, False)])
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.label)
+@pytest.mark.parametrize("cp", [True, 2, False], ids=["cp_rule", "cp_2", "cp_off"])
+def test_stage_matches_reference(problem, cp, compiled):
+    check_op("gdn_bwd", functools.partial(S05.run, cp=cp), gpu_inputs(problem))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "h0=None"])
+@pytest.mark.parametrize("with_dht", [True, False], ids=["dht", "dht=None"])
+@pytest.mark.parametrize("cp", [2, False], ids=["cp_2", "cp_off"])
+def test_without_h0_or_dht(initial_state, with_dht, cp, compiled):
+    x = gpu_inputs(Problem(4, 16, (1, 200, 777, 64, 130), initial_state=initial_state), seed=6)
+    if not with_dht:
+        x["dht"] = None
+    check_op("gdn_bwd", functools.partial(S05.run, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("cp", [2, False], ids=["cp_2", "cp_off"])
+def test_beta_zero_tokens(cp, compiled):
+    """Every fifth token's beta and a run of one head's are 0: T_b's columns there are 0, and the
+    wy_bwd kernel, which never divides by beta, stays finite and right."""
+    inputs = Problem(4, 16, (1, 200, 777, 64, 130)).inputs(device="cuda", seed=8)
+    inputs["beta"][:, ::5] = 0
+    inputs["beta"][:, 300:400, 3] = 0
+    x = op_inputs("gdn_bwd", inputs)
+    check_op("gdn_bwd", functools.partial(S05.run, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("cp", [2, False], ids=["cp_2", "cp_off"])
+def test_flagged_chunks(cp, compiled):
+    """Unnormalized keys (beta ||k||^2 = 9 on odd heads): the solve flags those chunks and stores
+    the gated inverse, which the wu and wy_bwd kernels read as T_b without Gamma."""
+    x = op_inputs("gdn_bwd", adversarial_inputs("unnormalized_keys", H=2, HV=8, lengths=(1000, 1, 300)))
+    check_op("gdn_bwd", functools.partial(S05.run, cp=cp), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("cp", [4, False], ids=["cp_4", "cp_off"])
+def test_bitwise_deterministic(cp, compiled):
+    x = gpu_inputs(Problem(4, 16, (3000, 1, 700, 2500)), seed=2)
+    first = S05.run(**x, cp=cp)
+    for _ in range(3):
+        again = S05.run(**x, cp=cp)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("problem,cp", [(Problem(2, 8, (16384,)), None), (Problem(2, 8, (16000, 3000, 192)), 8),
+                                        (Problem(2, 8, (1000, 3000, 192)), False)],
+                         ids=["rule", "varlen_cp8", "varlen_cp_off"])
+def test_cuda_graph_replay_equals_eager(problem, cp, compiled):
+    """After one eager call (which reads cu_seqlens once), the whole backward captures, and its replay
+    gives the eager bits, again after the inputs change in place."""
+    x = gpu_inputs(problem, seed=3)
+    B, T = x["q"].shape[:2]
+    split = S05.S03.split_plan(x["cu_seqlens"], B, T, problem.HV, autocp.num_sms("cuda"), x["q"].device, cp)
+    assert (split is not None) == (cp is not False)
+    check_graph_replay(S05, x, cp)
