@@ -24,12 +24,13 @@ and two kernels read what it makes (g_cum, the chunk table, Ab and the gated fla
                wu kernel's), equal to ``wy_bwd`` / ``chunk_w_u`` at 1e-12 with beta = 0 tokens
                and flagged chunks (tests/test_wy_from_solve.py).
 
-Why: the prep is the biggest chunk-parallel launch of the backward (s01's recompute step 1.62
-ms at (16, 64) 1 x 32768, H200, s01's docstring), and its CUDA-core substitution is the slow
-part; the forward's solve does the same inverse on mma (tf32 levels), and on the split path
-s03 paid for both.
+Why: the recompute of g_cum, Ai, w and u is the backward's biggest chunk-parallel step (1.62 of
+s01's 10.26 ms at (16, 64) 1 x 32768, H200, s01's docstring; s02's prep does the same work in one
+kernel and was not timed alone since). It solves every chunk again by substitution on the CUDA
+cores, where the forward's solve runs its block levels on mma.sync; and on the split path s03
+paid for both.
 
-Launch order (every launch in an NVTX range gdn_bwd.s05.<name>):
+Launch order (each step in an NVTX range gdn_bwd.s05.<name>, chunk_bwd_dqkwg.s01 in its own):
 
     solve           gdn_fwd.s44's prologue: g, seqs -> g_cum, the chunk table, first_chunk;
                     k, beta -> Ab, gated (one or two kernels, programmatic dependents)
