@@ -37,7 +37,9 @@ equal-length batches; B' = 1 and NT = sum over sequences of ceil(T_n / C) for va
 
 The backward (section "Backward", written by hand, not by autograd) is split the same way:
 chunk_bwd_dv_local, chunk_bwd_dhu (the reverse state recurrence), chunk_bwd_dqkwg, wy_bwd and
-chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref.
+chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref. chunk_w_u_ab and wy_bwd_ab
+give chunk_w_u's and wy_bwd's results from the forward's solve (Ab and its gated flags) instead
+of Ai and beta, with no division by beta.
 
 The gate-free backward (section "The gate-free backward") computes the same gradients from what a
 fused backward reads, the forward's Ab with its gated flags and h: chunk_bwd_gate_free (one
@@ -760,7 +762,8 @@ def wy_bwd_ab(k, v, beta, Ab, gated, g_cum, dw, du, cu_seqlens=None, chunk_size=
     kdk = (kc * dkb).sum(-1)
     dk = (bc * e)[..., None] * dkb
     dv = bc[..., None] * dvb
-    # dbeta_i = [Ai^T E]_ii + sum_j dA_ij M_ij;  dg_i = beta_i (e_i k_i.dkb_i + sum_j dA_ij M_ij) - sum_j beta_j dA_ji M_ji
+    # dbeta_i = [Ai^T E]_ii + sum_j dA_ij M_ij (the first term as k_i.dkb_i and v_i.dvb_i);
+    # dg_i = beta_i (e_i k_i.dkb_i + sum_j dA_ij M_ij) - sum_j beta_j dA_ji M_ji
     dam = da * m
     dbeta = e * kdk + (vc * dvb).sum(-1) + dam.sum(-1)
     daa = bc[..., None] * dam
