@@ -33,6 +33,7 @@ VERDICTS = {
     "kept": "promoted into the library, where it runs now or ran until a later stage replaced it",
     "folded": "not promoted alone; a later stage builds on it",
     "dropped": "measured, and not carried on",
+    "pending": "written and checked on the CPU, not yet measured on a GPU",
 }
 PATH_OPS = ("gdn_fwd", "gdn_bwd")  # the ops whose stages are whole forwards or backwards
 

@@ -37,7 +37,9 @@ equal-length batches; B' = 1 and NT = sum over sequences of ceil(T_n / C) for va
 
 The backward (section "Backward", written by hand, not by autograd) is split the same way:
 chunk_bwd_dv_local, chunk_bwd_dhu (the reverse state recurrence), chunk_bwd_dqkwg, wy_bwd and
-chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref.
+chunk_local_reverse_cumsum, composed by chunk_gated_delta_rule_bwd_ref. chunk_w_u_ab and wy_bwd_ab
+give chunk_w_u's and wy_bwd's results from the forward's solve (Ab and its gated flags) instead
+of Ai and beta, with no division by beta.
 
 The gate-free backward (section "The gate-free backward") computes the same gradients from what a
 fused backward reads, the forward's Ab with its gated flags and h: chunk_bwd_gate_free (one
@@ -685,6 +687,87 @@ def wy_bwd(k, v, beta, Ai, g_cum, dw, du, cu_seqlens=None, chunk_size=CHUNK_SIZE
     # dg_i += sum_j dA_ij A_ij - sum_j dA_ji A_ji   (A_ij carries exp(g_i - g_j))
     daa = bc[..., None] * dag
     dg = dg + daa.sum(-1) - daa.sum(-2)
+    # d(K K^T) = diag(beta) dA * Gamma  =>  dK += (d(KK^T) + d(KK^T)^T) K
+    dkk = bc[..., None] * da * gamma
+    dk = dk + (dkk + dkk.transpose(-1, -2)) @ kc
+    return (_sum_groups(ch.unpad(_tokens_first(dk)), k.shape[2]), ch.unpad(_tokens_first(dv)),
+            ch.unpad(_tokens_first(dbeta)), _unpad_g_cum_grad(ch, _tokens_first(dg)))
+
+
+def _gated_t(ch: Chunking, Ab, gated, gc):
+    """T_b = Ai diag(beta) per chunk [N, NT, HV, C, C] from the forward's solve (``flagged_solve``):
+    Gamma * Ab (lower incl. diagonal, no positive exponent), or Ab itself where the chunk is
+    flagged gated (there Ab already holds the gate). Ai diag(beta) = Gamma * Ab because
+    K K^T * Gamma = D K K^T D^-1 with D = diag(exp(g_cum)) (``gate_free_solve``)."""
+    abc = _heads_first(ch.pad(Ab.to(gc.dtype)))                        # [N, NT, HV, C, C]
+    gamma, causal = _decay_matrix(gc, 0)
+    flag = (ch.unpack_chunks(gated) != 0)[..., None, None]            # [N, NT, HV, 1, 1]
+    return torch.where(flag, abc, torch.where(causal, gamma, 0) * abc)
+
+
+def chunk_w_u_ab(k, v, Ab, gated, g_cum, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """``chunk_w_u``'s w and u from the forward's solve instead of Ai and beta, per chunk:
+
+        w = T_b diag(exp(g)) K,  u = T_b V,  T_b = Ai diag(beta) (``_gated_t``: Gamma * Ab, or Ab).
+
+    k [B, T, H, K], v [B, T, HV, V], Ab [B, T, HV, C] and gated [B', NT, HV] (``flagged_solve``),
+    g_cum [B, T, HV] -> w [B, T, HV, K], u [B, T, HV, V]. Computed in k's dtype.
+    """
+    dt = k.dtype
+    hv = v.shape[2]
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    kc = _heads_first(ch.pad(expand_heads(k, hv)))                   # [N, NT, HV, C, K]
+    vc = _heads_first(ch.pad(v.to(dt)))                              # [N, NT, HV, C, V]
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                    # [N, NT, HV, C]
+    tb = _gated_t(ch, Ab, gated, gc)
+    w = tb @ (torch.exp(gc)[..., None] * kc)
+    return ch.unpad(_tokens_first(w)), ch.unpad(_tokens_first(tb @ vc))
+
+
+def wy_bwd_ab(k, v, beta, Ab, gated, g_cum, dw, du, cu_seqlens=None, chunk_size=CHUNK_SIZE):
+    """``wy_bwd``'s gradients (dk, dv, dbeta, dg w.r.t. g_cum) from the forward's solve instead of
+    Ai: Ab [B, T, HV, C] and gated [B', NT, HV] (``flagged_solve``) in Ai's place, the other
+    arguments and the outputs as ``wy_bwd``'s. Per chunk, with T_b = Ai diag(beta) (``_gated_t``),
+    M = StrictLower(K K^T * Gamma) (so A = diag(beta) M), K' = diag(exp(g)) K:
+
+        Ai  = I - T_b M                  from Ai (I + diag(beta) M) = I: no division by beta
+        E   = dW K'^T + dU V^T           dL/dT_b; dL/dAi = E diag(beta), strictly lower part
+        dA  = -StrictLower(Ai^T E T_b^T) = -Ai^T dAi Ai^T, as E diag(beta) Ai^T = E T_b^T
+
+    and from there ``wy_bwd``'s formulas (dk, dv, dbeta through Ai^T dW and Ai^T dU, dg), every
+    term finite at beta = 0. Closed forms of the same: beta_i dA_ij = -(T_b^T E T_b^T)_ij, and
+    with G = I - M T_b = (I + M diag(beta))^-1, dbeta_i = [E G^T]_ii - [M^T T_b^T E G^T]_ii.
+    """
+    dt = k.dtype
+    hv = v.shape[2]
+    ch = _chunking(k, cu_seqlens, chunk_size)
+    kc = _heads_first(ch.pad(expand_heads(k, hv)))                   # [N, NT, HV, C, K]
+    vc = _heads_first(ch.pad(v.to(dt)))                              # [N, NT, HV, C, V]
+    dwc = _heads_first(ch.pad(dw.to(dt)))
+    duc = _heads_first(ch.pad(du.to(dt)))
+    gc = _heads_first(ch.pad_g_cum(g_cum.to(dt)))                    # [N, NT, HV, C]
+    bc = _heads_first(ch.pad(beta.to(dt)))
+    tb = _gated_t(ch, Ab, gated, gc)
+    gamma, strict = _decay_matrix(gc, -1)
+    m = torch.where(strict, (kc @ kc.transpose(-1, -2)) * gamma, 0)  # M = StrictLower(K K^T * Gamma)
+    eye = torch.eye(gc.shape[-1], dtype=dt, device=gc.device)
+    ai = eye - tb @ m                                                 # Ai = (I + diag(beta) M)^-1
+    ait = ai.transpose(-1, -2)
+    e = torch.exp(gc)
+    # E = dW K'^T + dU V^T (only its strictly lower part reaches dA)
+    big_e = dwc @ (e[..., None] * kc).transpose(-1, -2) + duc @ vc.transpose(-1, -2)
+    da = -torch.where(strict, ait @ torch.where(strict, big_e, 0) @ tb.transpose(-1, -2), 0)
+    # through K' and V: Ai^T dW, Ai^T dU, scaled by beta (T_b^T = diag(beta) Ai^T)
+    dkb, dvb = ait @ dwc, ait @ duc
+    kdk = (kc * dkb).sum(-1)
+    dk = (bc * e)[..., None] * dkb
+    dv = bc[..., None] * dvb
+    # dbeta_i = [Ai^T E]_ii + sum_j dA_ij M_ij (the first term as k_i.dkb_i and v_i.dvb_i);
+    # dg_i = beta_i (e_i k_i.dkb_i + sum_j dA_ij M_ij) - sum_j beta_j dA_ji M_ji
+    dam = da * m
+    dbeta = e * kdk + (vc * dvb).sum(-1) + dam.sum(-1)
+    daa = bc[..., None] * dam
+    dg = bc * e * kdk + daa.sum(-1) - daa.sum(-2)
     # d(K K^T) = diag(beta) dA * Gamma  =>  dK += (d(KK^T) + d(KK^T)^T) K
     dkk = bc[..., None] * da * gamma
     dk = dk + (dkk + dkk.transpose(-1, -2)) @ kc
