@@ -1,4 +1,49 @@
-"""fused_recurrent, stage 02: DRAFT docstring."""
+"""fused_recurrent, stage 02: every load of a CTA in flight before its first wait, and 32 one-warp
+CTAs an SM (8 value columns a CTA, 64 registers a lane).
+
+What it computes: fused_recurrent.s01's op, with its options and layouts unchanged (FLA's
+``fused_recurrent_gated_delta_rule``: q/k l2norm, the raw gate -exp(A_log) softplus(g + dt_bias),
+sigmoid(beta) and 2 sigmoid(beta), the V-first state layout, a state pool read and written in place
+through ``ssm_state_indices``). Per token
+
+    h   <- exp(g_t) h
+    e_t  = beta_t (v_t - h^T k_t)
+    h   <- h + k_t e_t^T
+    o_t  = h^T (scale q_t)
+
+What changed, and why. At T = 1 decode is a stream: each 64 KB fp32 state is read once and written
+once, so a kernel reaches the copy roof only with enough state bytes in flight on every SM. A CTA
+holds its state registers from its first load to its last store, so two things set the bytes in
+flight: how many CTAs an SM holds (registers), and how much of a CTA's life is spent waiting for
+something other than its state. s01 loses on both. Its compile (ptxas, nvcc 13.0, sm_90a) gives a
+lane 159 registers, 12 CTAs (12 warps, 96 KB of state) an SM; and its SASS issues the 16 state
+loads first, then stages the tokens with three round trips one after another: each q/k load is
+stored to shared memory before the next is issued, then v the same way, then g and beta, and only
+then the barrier. At T = 1 the CTA waits for three dependent trips to memory before its first token,
+all the while holding its 8 KB of state.
+
+Here the token block is fetched in one trip, beside the state: lanes 0 .. BT - 1 load their token's
+raw g and beta (and A_log, dt_bias) into registers, and q, k (only the rows of tokens that exist:
+one at T = 1) and this CTA's columns of v go to shared memory by cp.async, which needs no
+registers and does not block the issuing lane; one ``cp.async.wait_group 0`` and the barrier, then the
+lanes activate their tokens' gates into shared memory. And a CTA owns BV = 8 value columns (16 CTAs
+a state, FLA's split): a lane holds 4 columns x 8 rows (32 fp32 state registers; lane = 2 r + c
+owns columns 4 c .. 4 c + 3 and rows 64 j + 4 r + s, j < 2, s < 4), the sums over K take 4 xor
+shuffles (lanes 2, 4, 8, 16 apart), and ``__launch_bounds__(32, 32)`` asks ptxas for 64 registers,
+so the SM holds 32 CTAs, its limit. BT = 8 tokens a block keeps shared memory at 4.3 KB a CTA
+(plus 1 KB the hardware reserves), 170 KB for 32.
+
+The compile (ptxas, nvcc 13.0, sm_90a; ``cuobjdump --dump-resource-usage``), default and FLA's layer
+variant alike: BV = 8, 64 registers, no spills (no local memory, no stack), 32 CTAs an SM: 128 KB of
+state in flight an SM against s01's 96 KB. Without the launch bound ptxas takes 106 registers (18
+CTAs an SM). The SASS: 8 LDG.E.128 of the state, then the g and beta LDGs, the LDGSTS of q, k and
+v, one DEPBAR and the barrier: one trip before the first token. BV = 16 (``run(..., BV=16)``,
+s01's width) compiles to 128 registers with no spills at 16 CTAs an SM, also 128 KB in flight,
+with half the CTAs; the lab times both widths.
+
+Measured effect: not yet measured (``python profiles/decode_lab.py --stages`` times s01, s02 at BV
+= 8 and 16 and FLA in one run).
+"""
 
 import functools
 from typing import NamedTuple
@@ -20,8 +65,8 @@ LANES = 32                               # one warp a CTA
 COLS = 4                                 # adjacent state columns a lane owns (one float4, K-first)
 QUAD = 4                                 # adjacent rows in one of its float4s (V-first)
 WIDTHS = (8, 16)                         # value columns a CTA (BV): 16 or 8 CTAs a state
-DEFAULT_BV = 8
-MIN_CTAS_PER_SM = {8: 32, 16: 16}
+DEFAULT_BV = 8                           # 32 fp32 state registers a lane
+MIN_CTAS_PER_SM = {8: 32, 16: 16}        # BV -> the launch bound: 64 or 128 registers a lane
 BT = 8                                   # tokens staged in shared memory at a time
 SUMS = 2 * COLS + 3                      # h^T k, h^T q (4 columns each), k.q, ||k||^2, ||q||^2
 LOG2E = 1.4426950408889634
