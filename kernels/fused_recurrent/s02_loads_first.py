@@ -25,7 +25,9 @@ all the while holding its 8 KB of state.
 Here the token block is fetched in one trip, beside the state: lanes 0 .. BT - 1 load their token's
 raw g and beta (and A_log, dt_bias) into registers, and q, k (only the rows of tokens that exist:
 one at T = 1) and this CTA's columns of v go to shared memory by cp.async, which needs no
-registers and does not block the issuing lane; one ``cp.async.wait_group 0`` and the barrier, then the
+registers and does not block the issuing lane (v's BT x BV block goes whole, as TileLang lowers no
+narrower async copy: at T = 1 seven 16-byte rows of other sequences' v, beside the CTA's 8 KB of
+state read and written); one ``cp.async.wait_group 0`` and the barrier, then the
 lanes activate their tokens' gates into shared memory. And a CTA owns BV = 8 value columns (16 CTAs
 a state, FLA's split): a lane holds 4 columns x 8 rows (32 fp32 state registers; lane = 2 r + c
 owns columns 4 c .. 4 c + 3 and rows 64 j + 4 r + s, j < 2, s < 4), the sums over K take 4 xor
