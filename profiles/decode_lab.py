@@ -3,6 +3,11 @@
 Run on the GPU machine, from the project root, after ``. .gpu-bundle/setup.sh``:
 
     python profiles/decode_lab.py --out profiles/results/decode.csv [--commit C]
+    python profiles/decode_lab.py --stages --out profiles/results/decode_stages.csv
+
+``--stages`` times the decode stages instead of the library, each row a stage's ``run`` with a new
+final state: ``fused_recurrent.s01``, ``fused_recurrent.s02`` at its default width (BV = 8 value
+columns a CTA) and at BV = 16 (s01's width), beside FLA in the same run.
 
 Problems: N in {1, 8, 64, 256} sequences of T in {1, 4} tokens each (a batch, B = N), heads
 (H, HV) = (16, 32) and (16, 64) (Qwen3.5 35B/9B/4B and 397B/122B at TP1), K = V = 128, bf16 q, k, v.
@@ -47,6 +52,7 @@ import torch
 from flashqla import reference
 from flashqla.bench import roofs, time_row, versions
 from flashqla.recurrent import fused_recurrent_gated_delta_rule
+from flashqla.stages import load
 from flashqla.testing import Problem, cast_floats, check_op, rel_l2, run_on_threads
 
 HEADS = ((16, 32), (16, 64))
@@ -81,8 +87,9 @@ def decode_inputs(H, HV, N, T, call, seed=0) -> dict:
     return x
 
 
-def rows():
-    """(name, fn(inputs)) for every row this machine can run."""
+def rows(stages: bool = False):
+    """(name, fn(inputs)) for every row this machine can run: FLA and the library's calls, or with
+    ``stages`` FLA and the decode stages."""
     out = []
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_decode
@@ -90,6 +97,12 @@ def rows():
         out.append((FLA, lambda x: fla_decode(**x)))
     except ImportError:
         print("fla is not installed: no FLA rows", flush=True)
+    if stages:
+        s01, s02 = load("fused_recurrent", 1), load("fused_recurrent", 2)
+        out.append(("fused_recurrent.s01", lambda x: s01.run(**x)))
+        out.append(("fused_recurrent.s02", lambda x: s02.run(**x)))
+        out.append(("fused_recurrent.s02 BV=16", lambda x: s02.run(**x, BV=16)))
+        return out
     out.append((OURS, lambda x: fused_recurrent_gated_delta_rule(**x)))
     out.append((OURS_IN_PLACE, lambda x: fused_recurrent_gated_delta_rule(**x, inplace_final_state=True)))
     return out
@@ -161,8 +174,8 @@ def commit_of_checkout() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def main(out: Path, commit: str) -> None:
-    cands = rows()
+def main(out: Path, commit: str, stages: bool = False) -> None:
+    cands = rows(stages)
     warm_up(cands)
     print(f"{time.strftime('%X')} compiled; checking", flush=True)
     fla_err = check_rows(cands)
@@ -214,7 +227,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode.csv")
     parser.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    parser.add_argument("--stages", action="store_true", help="time the decode stages, not the library")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_lab: needs a CUDA GPU")
-    main(args.out, args.commit or commit_of_checkout())
+    main(args.out, args.commit or commit_of_checkout(), args.stages)
