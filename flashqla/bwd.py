@@ -1154,18 +1154,19 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=Non
             dbeta.view(B, T, HV), dh0)
 
 
-def initial_state_grad(q, k, v, g, beta, do, dht, scale):
+def initial_state_grad(q, k, v, g, beta, do, dht, scale, cp=True):
     """One sequence's dh0 without its other gradients: checked inputs of one sequence (q, k
     [1, T, H, K], v, do [1, T, HV, V]; g, beta [1, T, HV]; dht [1, HV, K, V] fp32 or None) -> dh0
     [1, HV, K, V] fp32, the gradient of <do, o> + <dht, final state> by the state entering the
-    sequence (which reads no state, so no initial state is taken). ``flashqla.cp``'s boundary pass.
+    sequence, as ``backward(..., cp=cp)`` gives it (``cp`` True: the rule's forced L; an int is L).
+    ``flashqla.cp``'s boundary pass. dh0 reads no state, so it takes no initial state.
 
-    It launches what ``backward(..., cp=True)`` launches (the rule's forced L) up to the walk, but
-    not the forward's segment states, then the walk over the first segment row alone (its
-    forward role from h = 0, its reverse role from that row's dht_j to dh0) and none of the
-    chunk-parallel kernels: prep, the forward's solve (``fwd.solved``: the windows read its gated
-    flags), ``segment_state_grads`` (dh windows, dh warm-up, reverse chain), the walk. Where the
-    forced rule leaves one segment, the whole ``backward`` runs."""
+    It launches what ``backward(..., cp=cp)`` launches up to its walk, less the forward's segment
+    states, then the walk over the first segment row alone and none of the chunk-parallel kernels:
+    prep, the forward's solve (``fwd.solved``: the windows read its gated flags),
+    ``segment_state_grads`` (dh windows, dh warm-up, reverse chain: dht_j of every segment row),
+    the walk over tokens [0, L C) (its forward role from h = 0, unread; its reverse role from dht_0
+    to dh0). Where the split leaves one segment, ``backward`` runs whole."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if B != 1:
@@ -1175,7 +1176,7 @@ def initial_state_grad(q, k, v, g, beta, do, dht, scale):
     fp32 = dict(dtype=torch.float32, device=device)
     sms = autocp.num_sms(device)
     num_chunks = -(-T // CHUNK_SIZE)
-    L = segment_chunks([num_chunks], HV, sms, True)
+    L = segment_chunks([num_chunks], HV, sms, cp)
     if L == 0 or L >= num_chunks:  # one segment: the first one is the whole sequence
         return backward(q, k, v, g, beta, do, dht, scale, torch.zeros(1, HV, K, V, **fp32), None)[5]
     p = fwd.segment_plan(None, 1, T, HV, sms, device, L, [0, T])

@@ -27,20 +27,17 @@ and the local backward with it as that piece's dht gives every gradient of the s
 slots a sequence fills end to end (s0 < s < s1, "spanning") need M: Z_{s0} starts the scan and
 dZ_{s1} the reverse one.
 
-Per call and rank, forward: (1) the boundary pass: for the last piece of each held slot whose
-sequence goes on to a later slot, its Z (a forward over that piece alone from its initial state)
-and, when it spans its slot, its M (the same forward with v = 0 from h0 = I: the state is then
-M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan for the first
-piece of each held slot that continues a sequence; (4) the local forward over the shard (its
-pieces as varlen sequences) from the true initial states. A shard that continues no sequence
-(contiguous rank 0, say) knows every initial state at once: it runs (4) first and takes its Z
-from (4)'s final states, so it makes no separate boundary call. The backward mirrors it with
-the forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing
-first piece (the dh0 of a backward over that piece alone with its own do and dht), an
-all_gather, the reverse scan, the local backward with per-piece dht; a shard whose pieces all
-end their sequences (contiguous last rank) runs the local backward first and takes dZ from its
-dh0. The scans run in slot order, the same on every rank, in float32 (float64 for float64
-inputs), so no result depends on timing; in float64 every output and gradient matched a
+Per call and rank, forward: (1) the boundary pass, first on every rank: for the last piece of
+each held slot whose sequence goes on to a later slot, its Z (the state leaving that piece alone
+from its initial state) and, when it spans its slot, its M (the same with v = 0 from h0 = I: the
+state is then M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan
+for the first piece of each held slot that continues a sequence; (4) the local forward over the
+shard (its pieces as varlen sequences) from the true initial states. No rank waits for another's
+local pass: every rank's boundary pass needs only its own shard. The backward mirrors it with the
+forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing first
+piece (the gradient of the state entering it from its own do and dht), an all_gather, the
+reverse scan, the local backward with per-piece dht. The scans run in slot order, the same on
+every rank, in float32 (float64 for float64 inputs), so no result depends on timing; in float64 every output and gradient matched a
 single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and 4 gloo ranks).
 Exchanged per rank: held slots x HV x K x (V + K) numbers forward, HV x K x V backward, one
 all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in float32).
@@ -48,11 +45,18 @@ all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in floa
 What runs. The local passes (the boundary ones included) are the only switch between the two
 paths, ``LocalPasses``: on an SM90 GPU with bf16 q, k, v and K = V = 128 (``api.use_kernels``,
 FLASHQLA_BACKEND read at every call) they are the promoted kernels, ``flashqla.fwd.forward``
-(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``; otherwise the chunked
-PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device. Either runs on
-any world size (1 included), over gloo or NCCL. The call copies nothing between host and device:
-the context holds the bounds on the host and its index tensors and the kernels' int32 bounds on
-the device, built once. Under torch.compile the call runs eagerly (a graph break).
+(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``, and for the boundary
+passes ``fwd.final_state`` and ``bwd.initial_state_grad``: AutoCP forced to split the piece, the
+segment states computed as the library's forward and backward compute them, then the fused kernel
+over the last segment alone (forward: 5 or 6 kernels for Z, 2 more for M) or the walk over the
+first segment alone (backward: 6 or 7 kernels), never the outputs or the chunk-parallel
+gradients; a piece too short to split runs the whole library pass. Otherwise
+the chunked PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device,
+whose final state and dh0 over the piece are exact. Either runs on any world size (1 included),
+over gloo or NCCL. The call copies nothing between host and device: the context holds the bounds
+on the host and its index tensors and the kernels' int32 bounds on the device, built once, and the
+boundary passes' plans come from the pieces' host lengths. Under torch.compile the call runs
+eagerly (a graph break).
 
 A warm-up variant (AutoCP's idea across ranks) would replace the scan, for heads whose log decay
 over the tail of the previous slot reaches a threshold, by that tail run from zero (wrong by at

@@ -1949,21 +1949,24 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o.view(B, T, HV, V), (ht if output_final_state else None)
 
 
-def final_state(q, k, v, g, beta, scale, initial_state, transition: bool = False):
+def final_state(q, k, v, g, beta, scale, initial_state, transition: bool = False, cp=True):
     """One sequence's final state without its outputs: checked inputs of one sequence (q, k
     [1, T, H, K], v [1, T, HV, V] bf16; g, beta [1, T, HV]; initial_state [1, HV, K, V] or None)
-    -> (the final state [1, HV, K, V] fp32 that ``forward`` split by AutoCP gives, and with
-    ``transition`` its transition M [1, HV, K, K] fp32, the final state from h0 = I with v = 0,
+    -> (the final state [1, HV, K, V] fp32 that ``forward(..., cp=cp)`` gives, and with
+    ``transition`` the transition M [1, HV, K, K] fp32, the final state from h0 = I with v = 0,
     else None). ``flashqla.cp``'s boundary pass.
 
-    It launches what ``forward(..., cp=True)`` launches (the rule's forced L), but the fused kernel
-    over the last segment alone: ``solved``, ``window_states`` and ``chain_states`` (every segment's
-    initial state h_j), then ``chunk_h_o`` over the last segment's tokens and chunk rows from its
-    h_j, at that segment's ``block_v`` (BV 16 where HV V / 16 CTAs fit the SMs). ``transition``
-    adds two launches: the chain from h0 = I with Z = 0 (the windows, and the warm-up's M, read no
-    v; its Z with v = 0 is zero) and the fused kernel with v = 0 over the last segment. Where the
-    forced rule leaves one segment (T <= 8 chunks: L is at least autocp.MIN_SEGMENT_CHUNKS), the
-    whole ``forward`` runs (for M a second one, v = 0 from h0 = I)."""
+    It launches what ``forward(..., cp=cp)`` launches (``cp`` True: the rule's forced L; an int is
+    L), but the fused kernel over the last segment alone: ``solved``, ``window_states`` and
+    ``chain_states`` (every segment's initial state h_j), then ``chunk_h_o`` over the last
+    segment's tokens and chunk rows from its h_j, at that segment's ``block_v`` (BV 16 where HV V /
+    16 CTAs fit the SMs). So it costs the solve over all T tokens, the warm-up over every window
+    (an exact head's: the whole previous segment), J chain steps and the last segment's chunks (at
+    most L) on HV V / BV CTAs. ``transition`` adds two launches: the chain from h0 = I with Z = 0
+    (the windows, and the warm-up's M, read no v: the warm-up's Z with v = 0 is zero) and the
+    fused kernel with v = 0 over the last segment. Where the split leaves one segment (with cp
+    True: T <= 8 chunks, L being at least autocp.MIN_SEGMENT_CHUNKS), ``forward`` runs whole (for
+    M a second one, v = 0 from h0 = I)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if B != 1:
@@ -1972,7 +1975,7 @@ def final_state(q, k, v, g, beta, scale, initial_state, transition: bool = False
     fp32 = dict(dtype=torch.float32, device=device)
     eye = torch.eye(K, **fp32).expand(1, HV, K, K) if transition else None
     sms = autocp.num_sms(device)
-    bounds, (R, _, _, L) = launch_decisions(None, 1, T, H, HV, V, sms, True)
+    bounds, (R, _, _, L) = launch_decisions(None, 1, T, H, HV, V, sms, cp)
     num_chunks = -(-T // CHUNK_SIZE)
     if L == 0 or L >= num_chunks:  # one segment: the last one is the whole sequence
         ht = forward(q, k, v, g, beta, scale, initial_state, True, None)[1]
