@@ -354,8 +354,9 @@ def _graph_worker(rank, world, port, out):
 
 
 def _rank_problems(lengths, layout, world):
-    """The kernel problems the ranks of a case run: every shard (varlen, its pieces) and every
-    piece alone (the boundary passes), as Problems, to compile before the ranks start."""
+    """The kernel problems the ranks of a case run: every shard (varlen, its pieces, the local
+    passes) and every piece alone (varlen False, the boundary passes), as Problems, to compile
+    before the ranks start."""
     bounds = [0, *itertools.accumulate(lengths)]
     slots = world * (2 if layout == "zigzag" else 1)
     L = bounds[-1] // slots
@@ -371,11 +372,18 @@ def _rank_problems(lengths, layout, world):
 @pytest.fixture(scope="module")
 def warm_kernels():
     """Every kernel the GPU cases launch, compiled on threads in this process (TileLang's disk
-    cache then serves the ranks): a training step of each global problem, shard and piece."""
+    cache then serves the ranks): a training step of each global problem and shard, the boundary
+    passes of each piece."""
+    from flashqla import bwd, fwd
     from flashqla.testing import run_on_threads
 
     def step(p):
         x = p.inputs("cuda")
+        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        if not p.varlen:  # a piece: Z and M, dZ
+            fwd.final_state(*inputs, None, x["initial_state"], True)
+            bwd.initial_state_grad(*inputs, torch.zeros_like(x["v"]), x["initial_state"], None)
+            return
         leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
         o, s = api(**x)
         torch.autograd.grad(o.float().sum() + s.sum(), leaves)
