@@ -1071,7 +1071,8 @@ def segment_state_grads(p, q, k, w, do, g, g_cum, beta, seqs, g_cum_f, first_chu
     # dZ_j (and M_j^T of exact heads) over each window, on prep's w and g_cum
     dz, mt = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
     with nvtx_range("bwd.dh_warmup"):
-        _compiled(dh_warmup_kernel, k.shape[1], HV)(q, k, w, do, g_cum, win_start, win_end, exact, scale, dz, mt)
+        _compiled(dh_warmup_kernel, k.shape[1], HV)(q, k, w, do, g_cum, win_start, win_end, exact, scale,
+                                                    dz, mt)
     # the reverse chain: dht_j of every segment row, from each sequence's dht
     dht_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
     with nvtx_range("bwd.dh_chain"):
@@ -1181,7 +1182,7 @@ def initial_state_grad(q, k, v, g, beta, do, dht, scale, cp=True):
         return backward(q, k, v, g, beta, do, dht, scale, torch.zeros(1, HV, K, V, **fp32), None)[5]
     p = fwd.segment_plan(None, 1, T, HV, sms, device, L, [0, T])
     q, k, v, g, beta, do, scale = _flat(q, k, v, g, beta, do, scale)
-    chunks, first_chunk = chunk_table(None, 1, T, CHUNK_SIZE, device)
+    chunks, _ = chunk_table(None, 1, T, CHUNK_SIZE, device)
     seqs = seq_bounds(None, 1, T, device)
     g_cum, _, w, u = _prep(k, v, g, beta, chunks)
     with nvtx_range("bwd.solve"):
@@ -1189,14 +1190,17 @@ def initial_state_grad(q, k, v, g, beta, do, dht, scale, cp=True):
                                                          False, k, beta, g, seqs, None, 1, T)
     dht_seg = segment_state_grads(p, q, k, w, do, g, g_cum, beta, seqs, g_cum_f, first_chunk_f, gated,
                                   None if dht is None else dht.to(torch.float32).contiguous(), scale)
-    # the first segment row, host integers: tokens [0, L C) and chunk rows [0, L)
+    # the walk over the first segment row alone, host integers: tokens [0, L C), chunk rows [0, L),
+    # its forward role from h = 0 (h0 not read), its reverse role from dht_0; of its outputs (h,
+    # v_new, dh, dh0, dv2) only dh0 is kept
     n = L * CHUNK_SIZE
     bf16 = dict(dtype=torch.bfloat16, device=device)
-    absent = torch.empty(1, HV, K, V, **fp32)  # the walk's h0: not read
+    absent = torch.empty(1, HV, K, V, **fp32)
     dh0 = torch.empty(1, HV, K, V, **fp32)
     with nvtx_range("bwd.walk"):
-        _compiled(walk_kernel, H, HV, BV)(q[:n], k[:n], w[:n], u[:n], do[:n], g_cum[:n], seq_bounds(None, 1, n, device),
-                                          seq_bounds(None, 1, L, device), absent, 0, dht_seg[:1], 1, scale,
+        _compiled(walk_kernel, H, HV, BV)(q[:n], k[:n], w[:n], u[:n], do[:n], g_cum[:n],
+                                          seq_bounds(None, 1, n, device), seq_bounds(None, 1, L, device),
+                                          absent, 0, dht_seg[:1], 1, scale,
                                           torch.empty(L, HV, K, V, **bf16), torch.empty(n, HV, V, **bf16),
                                           torch.empty(L, HV, K, V, **bf16), dh0, 1, torch.empty(n, HV, V, **bf16))
     return dh0

@@ -37,8 +37,9 @@ local pass: every rank's boundary pass needs only its own shard. The backward mi
 forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing first
 piece (the gradient of the state entering it from its own do and dht), an all_gather, the
 reverse scan, the local backward with per-piece dht. The scans run in slot order, the same on
-every rank, in float32 (float64 for float64 inputs), so no result depends on timing; in float64 every output and gradient matched a
-single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and 4 gloo ranks).
+every rank, in float32 (float64 for float64 inputs), so no result depends on timing; in float64
+every output and gradient matched a single-process run to at most 3e-15 relative
+(``tests/test_cp.py``, 2 and 4 gloo ranks).
 Exchanged per rank: held slots x HV x K x (V + K) numbers forward, HV x K x V backward, one
 all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in float32).
 
