@@ -1027,6 +1027,60 @@ def split_plan(cu_seqlens, B: int, T: int, HV: int, num_sms: int, device, cp):
     return fwd.segment_plan(cu_seqlens, B, T, HV, num_sms, device, L, bounds)
 
 
+def _flat(q, k, v, g, beta, do, scale):
+    """Checked API inputs -> q, k [B T, H, K], v, do [B T, HV, V] bf16; g, beta [B T, HV] fp32; the
+    scale as a float."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k = (x.contiguous().view(B * T, H, K) for x in (q, k))
+    v = v.contiguous().view(B * T, HV, V)
+    do = do.to(torch.bfloat16).contiguous().view(B * T, HV, V)
+    g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
+    return q, k, v, g, beta, do, float(K ** -0.5 if scale is None else scale)
+
+
+def _prep(k, v, g, beta, chunks):
+    """The prep kernel over the chunk table ``chunks`` -> g_cum [B T, HV] fp32, Ai [B T, HV, C],
+    w [B T, HV, K], u [B T, HV, V] bf16."""
+    H, HV, K, V = k.shape[1], v.shape[1], k.shape[2], v.shape[2]
+    bf16 = dict(dtype=torch.bfloat16, device=v.device)
+    g_cum = torch.empty(g.shape, dtype=torch.float32, device=v.device)
+    Ai = torch.empty(v.shape[0], HV, CHUNK_SIZE, **bf16)
+    w, u = torch.empty(v.shape[0], HV, K, **bf16), torch.empty(v.shape[0], HV, V, **bf16)
+    with nvtx_range("bwd.prep"):
+        _compiled(prep_kernel, H, HV)(k, v, g, beta, chunks, g_cum, Ai, w, u)
+    return g_cum, Ai, w, u
+
+
+def segment_state_grads(p, q, k, w, do, g, g_cum, beta, seqs, g_cum_f, first_chunk_f, gated, dht, scale):
+    """Backward AutoCP's dh windows, dh warm-up and reverse chain on plan ``p``: dht_j [S, HV, K, V]
+    fp32, the gradient of the state leaving every segment row, from the sequences' dht [N, HV, K,
+    V] fp32 (None: zero). q, k, w, do, g_cum: prep's and the inputs, flattened; g_cum_f,
+    first_chunk_f, gated: the forward's solve (``fwd.solved``); seqs the sequence bounds."""
+    HV, K, V = do.shape[1], k.shape[2], do.shape[2]
+    device, N, J = do.device, p.num_seqs, p.max_segments
+    fp32 = dict(dtype=torch.float32, device=device)
+    # the backward windows, per backward slot and value head
+    win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
+    win_end, exact = torch.empty_like(win_start), torch.empty_like(win_start)
+    dht_row = torch.empty(J * N, dtype=torch.int32, device=device)
+    with nvtx_range("bwd.dh_windows"):
+        _compiled(bwd_windows_kernel, HV)(g, g_cum_f, beta, gated, seqs, first_chunk_f, p.row_of_slot,
+                                          p.segment_chunks, float(autocp.THRESHOLD), int(dht is not None),
+                                          win_start, win_end, exact, dht_row)
+    # dZ_j (and M_j^T of exact heads) over each window, on prep's w and g_cum
+    dz, mt = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
+    with nvtx_range("bwd.dh_warmup"):
+        _compiled(dh_warmup_kernel, k.shape[1], HV)(q, k, w, do, g_cum, win_start, win_end, exact, scale,
+                                                    dz, mt)
+    # the reverse chain: dht_j of every segment row, from each sequence's dht
+    dht_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
+    with nvtx_range("bwd.dh_chain"):
+        fwd._compiled(fwd.chain_kernel, HV)(torch.zeros(N, HV, K, V, **fp32) if dht is None else dht,
+                                            dz, mt, exact, dht_row, dht_seg)
+    return dht_seg
+
+
 def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=None):
     """Checked API inputs (bf16 q, k, v; K = V = 128), do [B, T, HV, V], dht [N, HV, K, V] or None
     -> (dq, dk [B, T, H, K] bf16, dv [B, T, HV, V] bf16, dg, dbeta [B, T, HV] fp32,
@@ -1037,11 +1091,7 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=Non
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
-    scale = float(K ** -0.5 if scale is None else scale)
-    q, k = (x.contiguous().view(B * T, H, K) for x in (q, k))
-    v = v.contiguous().view(B * T, HV, V)
-    do = do.to(torch.bfloat16).contiguous().view(B * T, HV, V)
-    g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
+    q, k, v, g, beta, do, scale = _flat(q, k, v, g, beta, do, scale)
     chunks, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
     seqs = seq_bounds(cu_seqlens, B, T, device)
     N, NT = seqs.shape[0] - 1, chunks.shape[0]
@@ -1060,16 +1110,12 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=Non
                 dbeta.view(B, T, HV), dh0)
     sms = autocp.num_sms(device)
     p = split_plan(cu_seqlens, B, T, HV, sms, device, cp)
-    g_cum = torch.empty(B * T, HV, **fp32)
-    Ai = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
-    w, dw = torch.empty(B * T, HV, K, **bf16), torch.empty(B * T, HV, K, **bf16)
-    u, v_new, dv2 = (torch.empty(B * T, HV, V, **bf16) for _ in range(3))
+    dw = torch.empty(B * T, HV, K, **bf16)
+    v_new, dv2 = (torch.empty(B * T, HV, V, **bf16) for _ in range(2))
     h, dh = torch.empty(NT, HV, K, V, **bf16), torch.empty(NT, HV, K, V, **bf16)
     dk_a, dk_b = torch.empty(B * T, H, K, **bf16), torch.empty(B * T, H, K, **bf16)
     dg_a, dg_b = torch.empty(B * T, HV, **fp32), torch.empty(B * T, HV, **fp32)
-    # the forward's intermediates, recomputed
-    with nvtx_range("bwd.prep"):
-        _compiled(prep_kernel, H, HV)(k, v, g, beta, chunks, g_cum, Ai, w, u)
+    g_cum, Ai, w, u = _prep(k, v, g, beta, chunks)  # the forward's intermediates, recomputed
     if p is None:
         # both state walks over the sequences: h, v_new forward; dh, dh0, dV~ in reverse
         with nvtx_range("bwd.walk"):
@@ -1078,37 +1124,17 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=Non
                                               scale, h, v_new, dh, absent if dh0 is None else dh0,
                                               int(dh0 is not None), dv2)
     else:  # backward AutoCP: the walks over the segment rows, each from its own h_j and dht_j
-        J, S = p.max_segments, p.bounds.shape[0] - 1
+        S = p.bounds.shape[0] - 1
         # the forward's g_cum, chunk table, Ab and gated flags (the forward's warm-up reads Ab,
         # which prep does not make), then h_j of every segment row
-        g_cum_f = torch.empty(B * T, HV, **fp32)
-        chunks_f = torch.empty(NT, 2, dtype=torch.int32, device=device)
-        first_chunk_f = torch.empty(N + 1, dtype=torch.int32, device=device)
-        ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
-        gated = torch.empty(NT, HV, dtype=torch.int32, device=device)
         with nvtx_range("bwd.solve"):
-            fwd.solve(H, HV, fwd.solve_heads(H, HV, NT, sms), False, k, beta, g, seqs, g_cum_f, chunks_f,
-                      first_chunk_f, ab, gated)
+            g_cum_f, _, first_chunk_f, ab, gated = fwd.solved(H, HV, fwd.solve_heads(H, HV, NT, sms), False,
+                                                              k, beta, g, seqs, cu_seqlens, B, T)
         with nvtx_range("bwd.segment_states"):
             h_seg = fwd.segment_states(p, k, v, g, g_cum_f, beta, ab, gated,
                                        torch.zeros(N, HV, K, V, **fp32) if initial_state is None else h0)
-        # the backward windows, per backward slot and value head
-        win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
-        win_end, exact = torch.empty_like(win_start), torch.empty_like(win_start)
-        dht_row = torch.empty(J * N, dtype=torch.int32, device=device)
-        with nvtx_range("bwd.dh_windows"):
-            _compiled(bwd_windows_kernel, HV)(g, g_cum_f, beta, gated, seqs, first_chunk_f, p.row_of_slot,
-                                              p.segment_chunks, float(autocp.THRESHOLD), int(dht is not None),
-                                              win_start, win_end, exact, dht_row)
-        # dZ_j (and M_j^T of exact heads) over each window, on prep's w and g_cum
-        dz, mt = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
-        with nvtx_range("bwd.dh_warmup"):
-            _compiled(dh_warmup_kernel, H, HV)(q, k, w, do, g_cum, win_start, win_end, exact, scale, dz, mt)
-        # the reverse chain: dht_j of every segment row, from each sequence's dht
-        dht_seg = torch.empty(S, HV, K, V, **fp32)
-        with nvtx_range("bwd.dh_chain"):
-            fwd._compiled(fwd.chain_kernel, HV)(dht_in if dht is not None else torch.zeros(N, HV, K, V, **fp32),
-                                                dz, mt, exact, dht_row, dht_seg)
+        dht_seg = segment_state_grads(p, q, k, w, do, g, g_cum, beta, seqs, g_cum_f, first_chunk_f, gated,
+                                      dht_in if dht is not None else None, scale)
         # both state walks over the segment rows: h, v_new forward; dh, a dh0 per row, dV~ in reverse
         dh0_rows = absent if dh0 is None else torch.empty(S, HV, K, V, **fp32)
         with nvtx_range("bwd.walk"):
@@ -1127,3 +1153,54 @@ def backward(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, cp=Non
         _compiled(finish_kernel, H, HV)(dg_a, dg_b, dk_a, dk_b, chunks, dg, dk)
     return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
             dbeta.view(B, T, HV), dh0)
+
+
+def initial_state_grad(q, k, v, g, beta, do, dht, scale, cp=True):
+    """One sequence's dh0 without its other gradients: checked inputs of one sequence (q, k
+    [1, T, H, K], v, do [1, T, HV, V]; g, beta [1, T, HV]; dht [1, HV, K, V] fp32 or None) -> dh0
+    [1, HV, K, V] fp32, the gradient of <do, o> + <dht, final state> by the state entering the
+    sequence, as ``backward(..., cp=cp)`` gives it (``cp`` True: the rule's forced L; an int is L).
+    ``flashqla.cp``'s boundary pass. dh0 reads no state, so it takes no initial state.
+
+    It launches what ``backward(..., cp=cp)`` launches up to its walk, less the forward's segment
+    states, then the walk over the first segment row alone and none of the chunk-parallel kernels:
+    prep, the forward's solve (``fwd.solved``: the windows read its gated flags),
+    ``segment_state_grads`` (dh windows, dh warm-up, reverse chain: dht_j of every segment row),
+    the walk over tokens [0, L C) (its forward role from h = 0, unread; its reverse role from dht_0
+    to dh0). Where the split leaves one segment, ``backward`` runs whole."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if B != 1:
+        raise ValueError(f"flashqla.bwd.initial_state_grad: `q` must be one sequence [1, T, H, K]; "
+                         f"got {tuple(q.shape)}")
+    device = q.device
+    fp32 = dict(dtype=torch.float32, device=device)
+    sms = autocp.num_sms(device)
+    num_chunks = -(-T // CHUNK_SIZE)
+    L = segment_chunks([num_chunks], HV, sms, cp)
+    if L == 0 or L >= num_chunks:  # one segment: the first one is the whole sequence
+        return backward(q, k, v, g, beta, do, dht, scale, torch.zeros(1, HV, K, V, **fp32), None)[5]
+    p = fwd.segment_plan(None, 1, T, HV, sms, device, L, [0, T])
+    q, k, v, g, beta, do, scale = _flat(q, k, v, g, beta, do, scale)
+    chunks, _ = chunk_table(None, 1, T, CHUNK_SIZE, device)
+    seqs = seq_bounds(None, 1, T, device)
+    g_cum, _, w, u = _prep(k, v, g, beta, chunks)
+    with nvtx_range("bwd.solve"):
+        g_cum_f, _, first_chunk_f, _, gated = fwd.solved(H, HV, fwd.solve_heads(H, HV, chunks.shape[0], sms),
+                                                         False, k, beta, g, seqs, None, 1, T)
+    dht_seg = segment_state_grads(p, q, k, w, do, g, g_cum, beta, seqs, g_cum_f, first_chunk_f, gated,
+                                  None if dht is None else dht.to(torch.float32).contiguous(), scale)
+    # the walk over the first segment row alone, host integers: tokens [0, L C), chunk rows [0, L),
+    # its forward role from h = 0 (h0 not read), its reverse role from dht_0; of its outputs (h,
+    # v_new, dh, dh0, dv2) only dh0 is kept
+    n = L * CHUNK_SIZE
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    absent = torch.empty(1, HV, K, V, **fp32)
+    dh0 = torch.empty(1, HV, K, V, **fp32)
+    with nvtx_range("bwd.walk"):
+        _compiled(walk_kernel, H, HV, BV)(q[:n], k[:n], w[:n], u[:n], do[:n], g_cum[:n],
+                                          seq_bounds(None, 1, n, device), seq_bounds(None, 1, L, device),
+                                          absent, 0, dht_seg[:1], 1, scale,
+                                          torch.empty(L, HV, K, V, **bf16), torch.empty(n, HV, V, **bf16),
+                                          torch.empty(L, HV, K, V, **bf16), dh0, 1, torch.empty(n, HV, V, **bf16))
+    return dh0

@@ -27,32 +27,37 @@ and the local backward with it as that piece's dht gives every gradient of the s
 slots a sequence fills end to end (s0 < s < s1, "spanning") need M: Z_{s0} starts the scan and
 dZ_{s1} the reverse one.
 
-Per call and rank, forward: (1) the boundary pass: for the last piece of each held slot whose
-sequence goes on to a later slot, its Z (a forward over that piece alone from its initial state)
-and, when it spans its slot, its M (the same forward with v = 0 from h0 = I: the state is then
-M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan for the first
-piece of each held slot that continues a sequence; (4) the local forward over the shard (its
-pieces as varlen sequences) from the true initial states. A shard that continues no sequence
-(contiguous rank 0, say) knows every initial state at once: it runs (4) first and takes its Z
-from (4)'s final states, so it makes no separate boundary call. The backward mirrors it with
-the forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing
-first piece (the dh0 of a backward over that piece alone with its own do and dht), an
-all_gather, the reverse scan, the local backward with per-piece dht; a shard whose pieces all
-end their sequences (contiguous last rank) runs the local backward first and takes dZ from its
-dh0. The scans run in slot order, the same on every rank, in float32 (float64 for float64
-inputs), so no result depends on timing; in float64 every output and gradient matched a
-single-process run to at most 3e-15 relative (``tests/test_cp.py``, 2 and 4 gloo ranks).
+Per call and rank, forward: (1) the boundary pass, first on every rank: for the last piece of
+each held slot whose sequence goes on to a later slot, its Z (the state leaving that piece alone
+from its initial state) and, when it spans its slot, its M (the same with v = 0 from h0 = I: the
+state is then M itself, a K x K matrix); (2) one all_gather of those (Z, M) pairs; (3) the scan
+for the first piece of each held slot that continues a sequence; (4) the local forward over the
+shard (its pieces as varlen sequences) from the true initial states. No rank waits for another's
+local pass: every rank's boundary pass needs only its own shard. The backward mirrors it with the
+forward's M (saved with the inputs and the pieces' initial states): dZ of each continuing first
+piece (the gradient of the state entering it from its own do and dht), an all_gather, the
+reverse scan, the local backward with per-piece dht. The scans run in slot order, the same on
+every rank, in float32 (float64 for float64 inputs), so no result depends on timing; in float64
+every output and gradient matched a single-process run to at most 3e-15 relative
+(``tests/test_cp.py``, 2 and 4 gloo ranks).
 Exchanged per rank: held slots x HV x K x (V + K) numbers forward, HV x K x V backward, one
 all_gather each (8.4 MB and 4.2 MB a slot at (HV, K, V) = (64, 128, 128) in float32).
 
 What runs. The local passes (the boundary ones included) are the only switch between the two
 paths, ``LocalPasses``: on an SM90 GPU with bf16 q, k, v and K = V = 128 (``api.use_kernels``,
 FLASHQLA_BACKEND read at every call) they are the promoted kernels, ``flashqla.fwd.forward``
-(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``; otherwise the chunked
-PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device. Either runs on
-any world size (1 included), over gloo or NCCL. The call copies nothing between host and device:
-the context holds the bounds on the host and its index tensors and the kernels' int32 bounds on
-the device, built once. Under torch.compile the call runs eagerly (a graph break).
+(AutoCP deciding the split of each call) and ``flashqla.bwd.backward``, and for the boundary
+passes ``fwd.final_state`` and ``bwd.initial_state_grad``: AutoCP forced to split the piece, the
+segment states computed as the library's forward and backward compute them, then the fused kernel
+over the last segment alone (forward: 5 or 6 kernels for Z, 2 more for M) or the walk over the
+first segment alone (backward: 6 or 7 kernels), never the outputs or the chunk-parallel
+gradients; a piece too short to split runs the whole library pass. Otherwise
+the chunked PyTorch reference in float32 (float64 for float64 inputs) on the inputs' device,
+whose final state and dh0 over the piece are exact. Either runs on any world size (1 included),
+over gloo or NCCL. The call copies nothing between host and device: the context holds the bounds
+on the host and its index tensors and the kernels' int32 bounds on the device, built once, and the
+boundary passes' plans come from the pieces' host lengths. Under torch.compile the call runs
+eagerly (a graph break).
 
 A warm-up variant (AutoCP's idea across ranks) would replace the scan, for heads whose log decay
 over the tail of the previous slot reaches a threshold, by that tail run from zero (wrong by at
@@ -315,18 +320,57 @@ def _copy_rows(dst: Tensor, dst_rows: Tensor, src: Tensor, src_rows: Tensor) -> 
 
 @dataclass(frozen=True)
 class LocalPasses:
-    """The two functions every local pass calls, the only difference between the kernel path and
-    the reference path (the api's ``_kernel_forward`` / ``_reference`` and their backwards):
+    """The functions every local pass calls, the only difference between the kernel path and the
+    reference path (the api's ``_kernel_forward`` / ``_reference`` and their backwards, and the
+    boundary passes over one piece [1, T, ...]):
 
     forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens) -> (o, final state)
     backward(q, k, v, g, beta, do, dht, scale, h0, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)
+    final_state(q, k, v, g, beta, scale, h0, transition) -> (Z [1, HV, K, V], M [1, HV, K, K]
+        with ``transition``, else None)
+    initial_state_grad(q, k, v, g, beta, do, dht, scale) -> dZ [1, HV, K, V]
 
-    ``host_bounds``: they take the local bounds as the host tensor (the reference) or as the
-    context's int32 device tensor (the kernels)."""
+    ``host_bounds``: forward and backward take the local bounds as the host tensor (the
+    reference) or as the context's int32 device tensor (the kernels)."""
 
     forward: Callable
     backward: Callable
+    final_state: Callable
+    initial_state_grad: Callable
     host_bounds: bool
+
+
+def _kernel_final_state(q, k, v, g, beta, scale, h0, transition):
+    """``flashqla.fwd.final_state`` (a CPU test puts ``_reference_final_state`` here)."""
+    from flashqla import api
+    fwd, _ = api._kernel_modules()
+    with nvtx_range("fwd.final_state"):
+        return fwd.final_state(q, k, v, g, beta, scale, h0, transition)
+
+
+def _kernel_initial_state_grad(q, k, v, g, beta, do, dht, scale):
+    """``flashqla.bwd.initial_state_grad`` (a CPU test puts ``_reference_initial_state_grad`` here)."""
+    from flashqla import api
+    _, bwd = api._kernel_modules()
+    with nvtx_range("bwd.initial_state_grad"):
+        return bwd.initial_state_grad(q, k, v, g, beta, do, dht, scale)
+
+
+def _reference_final_state(q, k, v, g, beta, scale, h0, transition):
+    """The reference forward's final state over the piece; M: the same with v = 0 from h0 = I."""
+    from flashqla import api
+    z = api._reference(q, k, v, g, beta, scale, h0, True, None)[1]
+    if not transition:
+        return z, None
+    hv, kd = v.shape[2], q.shape[3]
+    eye = torch.eye(kd, dtype=h0.dtype, device=h0.device).expand(1, hv, kd, kd)
+    return z, api._reference(q, k, v.new_zeros(*v.shape[:3], kd), g, beta, scale, eye, True, None)[1]
+
+
+def _reference_initial_state_grad(q, k, v, g, beta, do, dht, scale):
+    """The reference backward's dh0 over the piece (which reads no initial state: zeros stand in)."""
+    from flashqla import api
+    return api._reference_backward(q, k, v, g, beta, do, dht, scale, torch.zeros_like(dht), None)[5]
 
 
 def local_passes(q: Tensor, v: Tensor, training: bool) -> LocalPasses:
@@ -335,8 +379,10 @@ def local_passes(q: Tensor, v: Tensor, training: bool) -> LocalPasses:
     compile for these heads too), else the reference in float32 (float64 for float64 inputs)."""
     from flashqla import api
     if api.backward_on_kernels(q, v) if training else api.use_kernels(q, v):
-        return LocalPasses(api._kernel_forward, api._kernel_backward, host_bounds=False)
-    return LocalPasses(api._reference, api._reference_backward, host_bounds=True)
+        return LocalPasses(api._kernel_forward, api._kernel_backward, _kernel_final_state,
+                           _kernel_initial_state_grad, host_bounds=False)
+    return LocalPasses(api._reference, api._reference_backward, _reference_final_state,
+                       _reference_initial_state_grad, host_bounds=True)
 
 
 def _bounds(ctx: CPContext, passes: LocalPasses) -> Tensor:
@@ -362,33 +408,26 @@ def _forward(x, initial_state, ctx, passes):
     h0 = torch.zeros(len(ctx.pieces), hv, kd, vd, **state)     # each piece's initial state
     if initial_state is not None:
         _copy_rows(h0, ctx.index["first_pieces"], initial_state, ctx.index["first_seqs"])
-    o = None
-    if not any(piece.incoming for piece in ctx.pieces):  # every initial state known: the local
-        with nvtx_range("cp.fwd.local"):                 # pass comes first and gives the Z
-            o, ht = passes.forward(*x, h0, True, cu)
     with nvtx_range("cp.fwd.boundary"):
         send = torch.zeros(len(ctx.slots), hv, kd, vd + kd, **state)
         for p, piece in enumerate(ctx.pieces):
             if not piece.outgoing:
                 continue
             i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
-            xs = [t[:, sl] for t in (q, k, v, g, beta)]
-            # Z: the piece's final state from its initial state (zero when it continues a sequence)
-            send[i, ..., :vd] = (ht[p] if o is not None
-                                 else passes.forward(*xs, scale, h0[p:p + 1], True, None)[1][0])
-            if piece.spanning:  # M: the final state with v = 0 from h0 = I, a K x K "state"
-                eye = torch.eye(kd, **state).expand(1, hv, kd, kd)
-                xs[2] = v.new_zeros(1, piece.end - piece.start, hv, kd)
-                send[i, ..., vd:] = passes.forward(*xs, scale, eye, True, None)[1][0]
+            # Z: the piece's final state from its initial state (zero when it continues a
+            # sequence); M when it spans its slot: the final state with v = 0 from h0 = I
+            z, m = passes.final_state(*(t[:, sl] for t in (q, k, v, g, beta)), scale, h0[p:p + 1],
+                                      piece.spanning)
+            send[i, ..., :vd] = z[0]
+            if m is not None:
+                send[i, ..., vd:] = m[0]
     with nvtx_range("cp.fwd.exchange"):
         got = _all_gather(send, ctx)
-    if o is None:
-        for p, piece in enumerate(ctx.pieces):
-            if piece.incoming:
-                h0[p] = fold_states(_pairs(got[..., :vd], got[..., vd:], ctx,
-                                           range(piece.first_slot, piece.slot)))
-        with nvtx_range("cp.fwd.local"):
-            o, ht = passes.forward(*x, h0, True, cu)
+    for p, piece in enumerate(ctx.pieces):
+        if piece.incoming:
+            h0[p] = fold_states(_pairs(got[..., :vd], got[..., vd:], ctx, range(piece.first_slot, piece.slot)))
+    with nvtx_range("cp.fwd.local"):
+        o, ht = passes.forward(*x, h0, True, cu)
     final = torch.zeros(ctx.num_seqs, hv, kd, vd, **state)
     _copy_rows(final, ctx.index["last_seqs"], ht, ctx.index["last_pieces"])
     if initial_state is not None:                     # an empty sequence's final state is its initial one
@@ -405,30 +444,24 @@ def _backward(x, h0, got, do, dht, ctx, passes, want_dh0: bool):
     cu = _bounds(ctx, passes)
     dht_local = torch.zeros_like(h0)                  # the gradient of each piece's final state
     _copy_rows(dht_local, ctx.index["last_pieces"], dht, ctx.index["last_seqs"])
-    grads = None
-    if not any(piece.outgoing for piece in ctx.pieces):  # every final gradient known: the local
-        with nvtx_range("cp.bwd.local"):                 # pass comes first and gives the dZ
-            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
     with nvtx_range("cp.bwd.boundary"):
         send = torch.zeros(len(ctx.slots), hv, kd, vd, dtype=h0.dtype, device=h0.device)
         for p, piece in enumerate(ctx.pieces):
             if not piece.incoming:
                 continue
             i, sl = ctx.slots.index(piece.slot), slice(piece.start, piece.end)
-            xs = [t[:, sl] for t in (q, k, v, g, beta, do)]
-            # dZ: the gradient of the state entering the piece (its dh0) from its own do and dht
-            send[i] = (grads[5][p] if grads is not None
-                       else passes.backward(*xs, dht_local[p:p + 1], scale, h0[p:p + 1], None)[5][0])
+            # dZ: the gradient of the state entering the piece from its own do and dht (zero
+            # when the sequence goes on)
+            send[i] = passes.initial_state_grad(*(t[:, sl] for t in (q, k, v, g, beta, do)),
+                                                dht_local[p:p + 1], scale)[0]
     with nvtx_range("cp.bwd.exchange"):
         got_dz = _all_gather(send, ctx)
-    if grads is None:
-        for p, piece in enumerate(ctx.pieces):
-            if piece.outgoing:
-                dht_local[p] = fold_state_grads(_pairs(got_dz, got[..., vd:], ctx,
-                                                       range(piece.slot + 1, piece.last_slot + 1)))
-        with nvtx_range("cp.bwd.local"):
-            grads = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
-    *grads, dh0_local = grads
+    for p, piece in enumerate(ctx.pieces):
+        if piece.outgoing:
+            dht_local[p] = fold_state_grads(_pairs(got_dz, got[..., vd:], ctx,
+                                                   range(piece.slot + 1, piece.last_slot + 1)))
+    with nvtx_range("cp.bwd.local"):
+        *grads, dh0_local = passes.backward(q, k, v, g, beta, do, dht_local, scale, h0, cu)
     if not want_dh0:
         return (*grads, None)
     dh0 = torch.zeros_like(dht)

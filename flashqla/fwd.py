@@ -1838,32 +1838,87 @@ def solve(H, HV, R, store_wy, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, 
             _compiled(gate_free_solve_kernel, H, HV, R, store_wy)(k, beta, g_cum, chunks, ab, gated)
 
 
-def segment_states(p, k, v, g, g_cum, beta, ab, gated, h0):
-    """AutoCP's windows and phases 1 and 2 on plan ``p``, after ``solve``: every segment row's
-    initial state h_seg [S, HV, K, V] fp32 from the sequences' h0 [N, HV, K, V] fp32. k [B T, H,
-    K], v [B T, HV, V] bf16; g, g_cum, beta [B T, HV] fp32; ab, gated: the solve's."""
+def solved(H, HV, R, store_wy, k, beta, g, seqs, cu_seqlens, B: int, T: int):
+    """``solve`` into new tensors -> (g_cum, chunks, first_chunk, ab, gated), for inputs [B, T] (or
+    varlen ``cu_seqlens``) flattened as ``solve`` takes them."""
+    device = k.device
+    chunks = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
+    first_chunk = torch.empty(seqs.shape[0], dtype=torch.int32, device=device)
+    g_cum = torch.empty(B * T, HV, dtype=torch.float32, device=device)
+    ab = torch.empty(B * T, HV, CHUNK_SIZE, dtype=torch.bfloat16, device=device)
+    gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
+    solve(H, HV, R, store_wy, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated)
+    return g_cum, chunks, first_chunk, ab, gated
+
+
+def window_states(p, k, v, g, g_cum, beta, ab, gated):
+    """AutoCP's windows and phase 1 on plan ``p``, after ``solve``: (Z [J N, HV, K, V], M [J N, HV,
+    K, K], exact [J N, HV] int32) of every slot's window: per (slot, value head) its first token and
+    whether it runs exactly (windows), then Z, the chain over the window from S = 0, and for exact
+    heads M, the same from S = I with v = 0 (zero elsewhere; M reads no v). k [B T, H, K], v [B T,
+    HV, V] bf16; g, g_cum, beta [B T, HV] fp32; ab, gated: the solve's."""
     H, HV, K, V = k.shape[1], v.shape[1], k.shape[2], v.shape[2]
-    device, N, J = k.device, h0.shape[0], p.max_segments
+    device, N, J = k.device, p.num_seqs, p.max_segments
     fp32 = dict(dtype=torch.float32, device=device)
-    # windows: per (slot, value head) its first token and whether it runs exactly
     win_start = torch.empty(J * N, HV, dtype=torch.int32, device=device)
     exact = torch.empty_like(win_start)
     with nvtx_range("fwd.autocp_windows"):
         _compiled(windows_kernel, HV)(g, g_cum, beta, gated, p.slot_start, p.slot_warm.to(torch.int32),
                                       p.slot_chunk, p.segment_chunks, float(autocp.THRESHOLD),
                                       win_start, exact)
-    # phase 1: Z (and M for exact heads) of every slot's window, from k, v, Ab
     z, m = torch.empty(J * N, HV, K, V, **fp32), torch.empty(J * N, HV, K, K, **fp32)
     with nvtx_range("fwd.autocp_warmup"):
         _compiled(warmup_kernel, H, HV)(k, v, ab, g_cum, gated, win_start, p.slot_start,
                                         p.slot_chunk, exact, z, m)
-    # phase 2: h_j = Z_j + M_j h_{j-1}, the initial state of every segment row (M read only
-    # for a head with an exact slot); rows past the real ones (empty segments) stay unwritten:
-    # phase 3 only copies them into final states that nobody reads
-    h_seg = torch.empty(p.bounds.shape[0] - 1, HV, K, V, **fp32)
+    return z, m, exact
+
+
+def chain_states(p, h0, z, m, exact):
+    """AutoCP's phase 2 on plan ``p``: h_j = Z_j + M_j h_{j-1}, the initial state of every segment
+    row [S, HV, K, V] fp32 from the sequences' h0 [N, HV, K, V] fp32 and ``window_states``' (Z, M,
+    exact); M is read only for a head with an exact slot. Rows past the real ones (empty segments)
+    stay unwritten: the fused kernel only copies them into final states that nobody reads."""
+    h_seg = torch.empty(p.bounds.shape[0] - 1, *h0.shape[1:], dtype=torch.float32, device=h0.device)
     with nvtx_range("fwd.autocp_chain"):
-        _compiled(chain_kernel, HV)(h0, z, m, exact, p.row_of_slot, h_seg)
+        _compiled(chain_kernel, h0.shape[1])(h0, z, m, exact, p.row_of_slot, h_seg)
     return h_seg
+
+
+def segment_states(p, k, v, g, g_cum, beta, ab, gated, h0):
+    """AutoCP's windows and phases 1 and 2 on plan ``p``, after ``solve``: every segment row's
+    initial state h_seg [S, HV, K, V] fp32 from the sequences' h0 [N, HV, K, V] fp32
+    (``window_states``, then ``chain_states``)."""
+    return chain_states(p, h0, *window_states(p, k, v, g, g_cum, beta, ab, gated))
+
+
+def chunk_h_o(H, store_wy, BV, q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale):
+    """The fused kernel over the sequences (or segment rows) ``seqs`` from their initial states h0
+    [N, HV, K, V] fp32 -> (o [B T, HV, V] bf16, final states [N, HV, K, V] fp32): at width BV,
+    fused_state_in_registers_kernel where the solve stored WY, else fused_reform_kernel (BV 16, 32)
+    or fused_state_value_kernel (BV 64, 128)."""
+    HV, K, V = v.shape[1], q.shape[2], v.shape[2]
+    o = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+    ht = torch.empty(h0.shape, dtype=torch.float32, device=v.device)
+    builder = (fused_state_in_registers_kernel if store_wy else
+               fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel)
+    with nvtx_range("fwd.chunk_h_o"):
+        _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale, o, ht)
+    return o, ht
+
+
+def _flat(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Checked API inputs -> q, k [B T, H, K], v [B T, HV, V] bf16; g, beta [B T, HV] fp32; the
+    scale; the sequence bounds int32 [N + 1]; h0 [N, HV, K, V] fp32 (zeros without
+    initial_state)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k = (x.contiguous().view(B * T, H, K) for x in (q, k))
+    v = v.contiguous().view(B * T, HV, V)
+    g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
+    seqs = seq_bounds(cu_seqlens, B, T, q.device)
+    h0 = (torch.zeros(seqs.shape[0] - 1, HV, K, V, dtype=torch.float32, device=q.device)
+          if initial_state is None else initial_state.to(torch.float32).contiguous())
+    return q, k, v, g, beta, K ** -0.5 if scale is None else scale, seqs, h0
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=None):
@@ -1874,40 +1929,78 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device
-    scale = K ** -0.5 if scale is None else scale
-    q, k = (x.contiguous().view(B * T, H, K) for x in (q, k))
-    v = v.contiguous().view(B * T, HV, V)
-    g, beta = (x.to(torch.float32).contiguous().view(B * T, HV) for x in (g, beta))
-    seqs = seq_bounds(cu_seqlens, B, T, device)
-    N = seqs.shape[0] - 1
-    bf16, fp32 = dict(dtype=torch.bfloat16, device=device), dict(dtype=torch.float32, device=device)
-    h0 = (torch.zeros(N, HV, K, V, **fp32) if initial_state is None
-          else initial_state.to(torch.float32).contiguous())
-    o = torch.empty(B * T, HV, V, **bf16)
+    q, k, v, g, beta, scale, seqs, h0 = _flat(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if B * T == 0:
-        return o.view(B, T, HV, V), (h0.clone() if output_final_state else None)
-
-    chunks = torch.empty(num_chunk_rows(cu_seqlens, B, T, CHUNK_SIZE), 2, dtype=torch.int32, device=device)
-    first_chunk = torch.empty(N + 1, dtype=torch.int32, device=device)
-    g_cum = torch.empty(B * T, HV, **fp32)
-    ab = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
-    gated = torch.empty(chunks.shape[0], HV, dtype=torch.int32, device=device)
+        return (torch.empty(B, T, HV, V, dtype=torch.bfloat16, device=device),
+                h0.clone() if output_final_state else None)
     sms = autocp.num_sms(device)
     bounds, (R, BV, wy, L) = launch_decisions(cu_seqlens, B, T, H, HV, V, sms, cp)
     p = segment_plan(cu_seqlens, B, T, HV, sms, device, L, bounds)
     store_wy = wy and p is None
-    solve(H, HV, R, store_wy, k, beta, g, seqs, g_cum, chunks, first_chunk, ab, gated)
+    g_cum, _, first_chunk, ab, gated = solved(H, HV, R, store_wy, k, beta, g, seqs, cu_seqlens, B, T)
     if p is not None:  # AutoCP: the fused kernel walks segments, each from its own initial state
         h0 = segment_states(p, k, v, g, g_cum, beta, ab, gated, h0)
         # segments as sequences; gated stays indexed by the whole sequences' chunk rows
         seqs, first_chunk = p.bounds, p.first_chunk
         BV = equal_lengths_width(seqs.shape[0] - 1, HV, V, sms)  # segment rows: equal lengths
-    ht = torch.empty(h0.shape, **fp32)
-    builder = (fused_state_in_registers_kernel if store_wy else
-               fused_reform_kernel if BV <= NARROW_BLOCK_V else fused_state_value_kernel)
-    with nvtx_range("fwd.chunk_h_o"):
-        _compiled(builder, H, HV, K, V, BV)(q, k, v, ab, g_cum, gated, h0, seqs, first_chunk,
-                                            scale, o, ht)
+    o, ht = chunk_h_o(H, store_wy, BV, q, k, v, ab, g_cum, gated, h0, seqs, first_chunk, scale)
     if p is not None and output_final_state:
         ht = ht.index_select(0, p.last_segment)  # the state a sequence's last segment leaves
     return o.view(B, T, HV, V), (ht if output_final_state else None)
+
+
+def final_state(q, k, v, g, beta, scale, initial_state, transition: bool = False, cp=True):
+    """One sequence's final state without its outputs: checked inputs of one sequence (q, k
+    [1, T, H, K], v [1, T, HV, V] bf16; g, beta [1, T, HV]; initial_state [1, HV, K, V] or None)
+    -> (the final state [1, HV, K, V] fp32 that ``forward(..., cp=cp)`` gives, and with
+    ``transition`` the transition M [1, HV, K, K] fp32, the final state from h0 = I with v = 0,
+    else None). ``flashqla.cp``'s boundary pass.
+
+    It launches what ``forward(..., cp=cp)`` launches (``cp`` True: the rule's forced L; an int is
+    L), but the fused kernel over the last segment alone: ``solved``, ``window_states`` and
+    ``chain_states`` (every segment's initial state h_j), then ``chunk_h_o`` over the last
+    segment's tokens and chunk rows from its h_j, at that segment's ``block_v`` (BV 16 where HV V /
+    16 CTAs fit the SMs). So it costs the solve over all T tokens, the warm-up over every window
+    (an exact head's: the whole previous segment), J chain steps and the last segment's chunks (at
+    most L) on HV V / BV CTAs. ``transition`` adds two launches: the chain from h0 = I with Z = 0
+    (the windows, and the warm-up's M, read no v: the warm-up's Z with v = 0 is zero) and the
+    fused kernel with v = 0 over the last segment. Where the split leaves one segment (with cp
+    True: T <= 8 chunks, L being at least autocp.MIN_SEGMENT_CHUNKS), ``forward`` runs whole (for
+    M a second one, v = 0 from h0 = I)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if B != 1:
+        raise ValueError(f"flashqla.fwd.final_state: `q` must be one sequence [1, T, H, K]; got {tuple(q.shape)}")
+    device = q.device
+    fp32 = dict(dtype=torch.float32, device=device)
+    eye = torch.eye(K, **fp32).expand(1, HV, K, K) if transition else None
+    sms = autocp.num_sms(device)
+    bounds, (R, _, _, L) = launch_decisions(None, 1, T, H, HV, V, sms, cp)
+    num_chunks = -(-T // CHUNK_SIZE)
+    if L == 0 or L >= num_chunks:  # one segment: the last one is the whole sequence
+        ht = forward(q, k, v, g, beta, scale, initial_state, True, None)[1]
+        return ht, (forward(q, k, torch.zeros_like(v), g, beta, scale, eye, True, None)[1]
+                    if transition else None)
+    q, k, v, g, beta, scale, seqs, h0 = _flat(q, k, v, g, beta, scale, initial_state, None)
+    p = segment_plan(None, 1, T, HV, sms, device, L, bounds)
+    g_cum, _, _, ab, gated = solved(H, HV, R, False, k, beta, g, seqs, None, 1, T)
+    z, m, exact = window_states(p, k, v, g, g_cum, beta, ab, gated)
+    # the last segment, host integers: segment j holds tokens [j L C, (j + 1) L C) and chunk rows
+    # [j L, (j + 1) L); its h_j is segment row j (one sequence: its rows are 0, 1, ...)
+    last = (num_chunks - 1) // L
+    start = last * L * CHUNK_SIZE
+    rows = slice(last * L, num_chunks)
+    tokens = slice(start, T)
+    seg_bounds = seq_bounds(None, 1, T - start, device)             # [0, its tokens]
+    seg_first_chunk = seq_bounds(None, 1, num_chunks - last * L, device)  # [0, its chunks]
+    BV = block_v([num_chunks - last * L], HV, V, sms)
+
+    def last_segment(values, h_seg):
+        return chunk_h_o(H, False, BV, q[tokens], k[tokens], values, ab[tokens], g_cum[tokens],
+                         gated[rows], h_seg[last:last + 1], seg_bounds, seg_first_chunk, scale)[1]
+
+    ht = last_segment(v[tokens], chain_states(p, h0, z, m, exact))
+    if not transition:
+        return ht, None
+    h_seg = chain_states(p, eye.contiguous(), torch.zeros_like(z), m, exact)
+    return ht, last_segment(torch.zeros(T - start, HV, V, dtype=torch.bfloat16, device=device), h_seg)

@@ -96,16 +96,16 @@ def _no_exchange(pairs):         # the ranks never combine: every shard starts f
     return torch.zeros_like(pairs[0][0])
 
 
-KERNEL_CALLS = []    # (function, whether it had bounds) of each call the "kernel path" variant made
+KERNEL_CALLS = []    # the functions the "kernel path" variant called
 
 
-def _as_kernel(fn):
-    """``fn`` (the reference forward or backward) in a kernel's place: it must get the kernels' int32
-    device bounds (or none: one piece), and it records its calls."""
+def _as_kernel(fn, bounds: bool):
+    """``fn`` (a reference pass) in a kernel's place: the local passes must get the kernels' int32
+    device bounds (``bounds``), and it records its calls."""
     def run(*args):
-        cu = args[-1]
-        assert cu is None or (cu.dtype == torch.int32 and cu.device == args[0].device), cu
-        KERNEL_CALLS.append((fn.__name__, cu is not None))
+        if bounds:
+            assert args[-1].dtype == torch.int32 and args[-1].device == args[0].device, args[-1]
+        KERNEL_CALLS.append(fn.__name__)
         return fn(*args)
     return run
 
@@ -117,8 +117,12 @@ def _as_kernel(fn):
 VARIANTS = {"exact": ({}, NAMES),
             "kernel path": ({flashqla.api: {"use_kernels": lambda q, v: True,
                                             "backward_unsupported": lambda H, HV: None,
-                                            "_kernel_forward": _as_kernel(flashqla.api._reference),
-                                            "_kernel_backward": _as_kernel(flashqla.api._reference_backward)}},
+                                            "_kernel_forward": _as_kernel(flashqla.api._reference, True),
+                                            "_kernel_backward": _as_kernel(flashqla.api._reference_backward,
+                                                                           True)},
+                             cp: {"_kernel_final_state": _as_kernel(cp._reference_final_state, False),
+                                  "_kernel_initial_state_grad": _as_kernel(cp._reference_initial_state_grad,
+                                                                           False)}},
                             NAMES),
             "no M": ({cp: {"fold_states": _fold_without_m}}, ("dv", "dh0")),
             "M, not M^T": ({cp: {"fold_state_grads": _fold_grads_with_m}}, ("o", "final_state", "dq")),
@@ -163,11 +167,11 @@ def _worker(rank, world, port, out):
                 KERNEL_CALLS.clear()
                 try:
                     results.append(_errors(lengths, layout, device))
-                    if variant == "kernel path":  # every pass ran on them: the local ones (with bounds)
-                        calls = set(KERNEL_CALLS)       # here, the boundary ones (one piece) on some rank
-                        assert {("_reference", True), ("_reference_backward", True)} <= calls, calls
-                        some = torch.tensor([(fn, False) in calls
-                                             for fn in ("_reference", "_reference_backward")])
+                    if variant == "kernel path":  # every pass ran on them: the local ones here,
+                        calls = set(KERNEL_CALLS)       # the boundary ones on some rank
+                        assert {"_reference", "_reference_backward"} <= calls, calls
+                        some = torch.tensor([fn in calls for fn in ("_reference_final_state",
+                                                                    "_reference_initial_state_grad")])
                         dist.all_reduce(some, op=dist.ReduceOp.MAX)
                         assert some.all(), some
                 finally:
@@ -350,8 +354,9 @@ def _graph_worker(rank, world, port, out):
 
 
 def _rank_problems(lengths, layout, world):
-    """The kernel problems the ranks of a case run: every shard (varlen, its pieces) and every
-    piece alone (the boundary passes), as Problems, to compile before the ranks start."""
+    """The kernel problems the ranks of a case run: every shard (varlen, its pieces, the local
+    passes) and every piece alone (varlen False, the boundary passes), as Problems, to compile
+    before the ranks start."""
     bounds = [0, *itertools.accumulate(lengths)]
     slots = world * (2 if layout == "zigzag" else 1)
     L = bounds[-1] // slots
@@ -367,11 +372,18 @@ def _rank_problems(lengths, layout, world):
 @pytest.fixture(scope="module")
 def warm_kernels():
     """Every kernel the GPU cases launch, compiled on threads in this process (TileLang's disk
-    cache then serves the ranks): a training step of each global problem, shard and piece."""
+    cache then serves the ranks): a training step of each global problem and shard, the boundary
+    passes of each piece."""
+    from flashqla import bwd, fwd
     from flashqla.testing import run_on_threads
 
     def step(p):
         x = p.inputs("cuda")
+        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        if not p.varlen:  # a piece: Z and M, dZ
+            fwd.final_state(*inputs, None, x["initial_state"], True)
+            bwd.initial_state_grad(*inputs, torch.zeros_like(x["v"]), x["initial_state"], None)
+            return
         leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
         o, s = api(**x)
         torch.autograd.grad(o.float().sum() + s.sum(), leaves)
