@@ -4,11 +4,10 @@ FLA's layers call it at inference for inputs of up to 64 tokens (decoding, specu
 the state carried from call to call. It takes fla-core 0.6.0's arguments in FLA's order, and two
 more for serving engines that keep the states of many requests in one pool:
 
-    inplace_final_state   write each sequence's final state into ``initial_state`` (no new tensor)
-                          and return ``initial_state``
-    ssm_state_indices     int32/int64 [N]: sequence n starts from state ``initial_state[idx[n]]``
-                          of a pool [S, HV, K, V]; a slot outside [0, S) marks a padding entry, which
-                          starts from zeros and, in place, writes nothing
+inplace_final_state write each sequence's final state into ``initial_state`` (no new tensor) and
+return ``initial_state`` ssm_state_indices int32/int64 [N]: sequence n starts from state
+``initial_state[idx[n]]`` of a pool [S, HV, K, V]; a slot outside [0, S) marks a padding entry,
+which starts from zeros and, in place, writes nothing
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128 it runs one TileLang kernel,
 promoted unchanged from ``kernels/fused_recurrent/s02_loads_first.py`` at one width, ``BV`` below
@@ -18,23 +17,26 @@ so the kernel's job is to keep enough state bytes in flight on every SM and add 
 
 The layout. One warp a CTA, and one CTA per (BV = 8 value columns, sequence, value head): 16 CTAs a
 state. A lane owns 4 adjacent columns of 8 rows (32 fp32 state registers): lane = 2 r + c owns
-columns 4 c .. 4 c + 3 of the CTA's 8 and rows 64 j + 4 r + s (j < 2, s < 4), held in registers
-for the call's tokens. Both state layouts load and store as 16-byte vectors that the warp
-coalesces (K-first: a lane's 4 columns of one row are one float4; V-first: its 4 rows of one
-column). The sums over K (h^T k, h^T q for the lane's columns, k . q, and ||k||^2, ||q||^2 with the
-l2norm) are summed over its rows, then over the 16 lanes of a column group by 4 xor shuffles (lanes
-2, 4, 8, 16 apart); the output needs no second pass over h (o = scale (exp(g) h^T q + e (k . q))).
+columns 4 c .. 4 c + 3 of the CTA's 8 and rows 64 j + 4 r + s (j < 2, s < 4), held in registers for
+the call's tokens. Both state layouts load and store as 16-byte vectors (K-first: a lane's 4 columns
+of one row are one float4, a warp instruction 16 rows x 32 bytes; V-first: its 4 rows of one column,
+a warp instruction 2 columns x 256 contiguous bytes). The sums over K (h^T k, h^T q for the lane's
+columns, k . q, and ||k||^2, ||q||^2 with the l2norm) are summed over its rows, then over the 16
+lanes of a column group by 4 xor shuffles (lanes 2, 4, 8, 16 apart); the output needs no second pass
+over h (o = scale (exp(g) h^T q + e (k . q))).
 
 The loads. A CTA issues its state's float4 loads first, then fetches its block of BT = 8 tokens in
 one trip beside them: lanes 0 .. BT - 1 load their token's raw g and beta (and A_log, dt_bias) into
-registers; q, k (only the tokens that exist: one at T = 1) and the CTA's columns of v go to shared
-memory by cp.async, which holds no registers; one ``cp.async.wait_group 0`` and a barrier, then the
-lanes activate their tokens' gates (log2 decay, step size) into shared memory. So a CTA waits for
-one trip to memory before its first token, not one for each of q/k, v and the gates.
+registers; q, k (only the tokens that exist: one at T = 1) and the CTA's BT x BV block of v (whole:
+at T = 1 seven 16-byte rows more than it needs) go to shared memory by cp.async, which holds no
+registers; one ``cp.async.wait_group 0`` and a barrier, then the lanes activate their tokens' gates
+(log2 decay, step size) into shared memory. So a CTA waits for one trip to memory, its state and its
+tokens together, before its first token.
 
 Registers and CTAs an SM. ``__launch_bounds__(32, 32)`` asks ptxas (nvcc 13.0, sm_90a) for 64
-registers a lane; it compiles with no spills, so an SM holds 32 CTAs, its limit: 128 KB of state in
-flight an SM. Shared memory is 4.3 KB a CTA (plus 1 KB the hardware reserves), 170 KB for 32.
+registers a lane; the default and FLA's layer variant compile with no spills, so an SM holds 32
+CTAs, its limit: 128 KB of state in flight an SM. Shared memory is 4.3 KB a CTA (plus 1 KB the
+hardware reserves), 170 KB for 32.
 
 Measured: <FILL from profiles/results/decode.csv>
 
