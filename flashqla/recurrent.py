@@ -78,7 +78,7 @@ HEAD_DIM = 128                           # K = V = 128 only
 LANES = 32                               # one warp a CTA
 COLS = 4                                 # adjacent state columns a lane owns (one float4, K-first)
 QUAD = 4                                 # adjacent rows in one of its float4s (V-first)
-BV = 8                                   # value columns a CTA: 16 CTAs a state (s02's 8 or 16)
+BV = 8                                   # value columns a CTA (s02 compiles 8 or 16): V / BV CTAs a state
 MIN_CTAS_PER_SM = {8: 32, 16: 16}[BV]    # the launch bound: 64 (BV = 8) or 128 registers a lane
 COL_GROUPS = BV // COLS                  # lanes side by side in the columns
 ROW_GROUPS = LANES // COL_GROUPS         # lanes sharing columns: 16 (BV = 8) or 8 (BV = 16)
