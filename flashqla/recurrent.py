@@ -4,22 +4,53 @@ FLA's layers call it at inference for inputs of up to 64 tokens (decoding, specu
 the state carried from call to call. It takes fla-core 0.6.0's arguments in FLA's order, and two
 more for serving engines that keep the states of many requests in one pool:
 
-    inplace_final_state   write each sequence's final state into ``initial_state`` (no new tensor)
-                          and return ``initial_state``
-    ssm_state_indices     int32/int64 [N]: sequence n starts from state ``initial_state[idx[n]]``
-                          of a pool [S, HV, K, V]; a slot outside [0, S) marks a padding entry, which
-                          starts from zeros and, in place, writes nothing
+inplace_final_state write each sequence's final state into ``initial_state`` (no new tensor) and
+return ``initial_state`` ssm_state_indices int32/int64 [N]: sequence n starts from state
+``initial_state[idx[n]]`` of a pool [S, HV, K, V]; a slot outside [0, S) marks a padding entry,
+which starts from zeros and, in place, writes nothing
 
 On an SM90 GPU (H100, H200) with bfloat16 q, k, v and K = V = 128 it runs one TileLang kernel,
-promoted unchanged from ``kernels/fused_recurrent/s01_columns_in_registers.py`` (the stage's
-docstring explains its design; ``tests/test_recurrent.py`` asserts both build the same program):
-each (sequence, value head) state is split over 8 one-warp CTAs of 16 columns, held in registers
-for the call's tokens, read and written once as coalesced 16-byte vectors. FLA's in-kernel options
-(the q/k l2norm, the raw gate, the beta sigmoid, the V-first state layout) are applied inside it.
-g, beta, A_log, dt_bias and the states may be float32, bfloat16 or float16; the final state is
-float32 (in place: the pool's dtype). The kernel path can be captured in a CUDA graph:
-``cu_seqlens`` (and, in place, ``ssm_state_indices``) are checked on the host once per tensor
-version, outside capture.
+promoted unchanged from ``kernels/fused_recurrent/s02_loads_first.py`` at one width, ``BV`` below
+(the stage's docstring explains its design; ``tests/test_recurrent.py`` asserts both build the same
+program). At T = 1 decode streams the state: each 64 KB fp32 state is read once and written once,
+so the kernel's job is to keep enough state bytes in flight on every SM and add nothing to them.
+
+The layout. One warp a CTA, and one CTA per (BV = 8 value columns, sequence, value head): 16 CTAs a
+state. A lane owns 4 adjacent columns of 8 rows (32 fp32 state registers): lane = 2 r + c owns
+columns 4 c .. 4 c + 3 of the CTA's 8 and rows 64 j + 4 r + s (j < 2, s < 4), held in registers for
+the call's tokens. Both state layouts load and store as 16-byte vectors (K-first: a lane's 4 columns
+of one row are one float4, a warp instruction 16 rows x 32 bytes; V-first: its 4 rows of one column,
+a warp instruction 2 columns x 256 contiguous bytes). The sums over K (h^T k, h^T q for the lane's
+columns, k . q, and ||k||^2, ||q||^2 with the l2norm) are summed over its rows, then over the 16
+lanes of a column group by 4 xor shuffles (lanes 2, 4, 8, 16 apart); the output needs no second pass
+over h (o = scale (exp(g) h^T q + e (k . q))).
+
+The loads. A CTA issues its state's float4 loads first, then fetches its block of BT = 8 tokens in
+one trip beside them: lanes 0 .. BT - 1 load their token's raw g and beta (and A_log, dt_bias) into
+registers; q, k (only the tokens that exist: one at T = 1) and the CTA's BT x BV block of v (whole:
+at T = 1 seven 16-byte rows more than it needs) go to shared memory by cp.async, which holds no
+registers; one ``cp.async.wait_group 0`` and a barrier, then the lanes activate their tokens' gates
+(log2 decay, step size) into shared memory. So a CTA waits for one trip to memory, its state and its
+tokens together, before its first token.
+
+Registers and CTAs an SM. ``__launch_bounds__(32, 32)`` asks ptxas (nvcc 13.0, sm_90a) for 64
+registers a lane; the default and FLA's layer variant compile with no spills, so an SM holds 32
+CTAs, its limit: 128 KB of state in flight an SM. Shared memory is 4.3 KB a CTA (plus 1 KB the
+hardware reserves), 170 KB for 32.
+
+Measured: <FILL from profiles/results/decode.csv>
+
+Where TileLang adds bounds checks. Shapes are dynamic, so every global load and store that TileLang
+cannot prove in bounds is guarded (a load outside returns 0; a cp.async outside fills zeros): a
+wrong ``cu_seqlens`` cannot make the kernel read or write outside its tensors. Optional tensors the
+call lacks are passed with no rows and never read; a slot outside [0, S) (padding) starts from zeros
+and is not written back.
+
+FLA's in-kernel options (the q/k l2norm, the raw gate, the beta sigmoid, the V-first state layout)
+are applied inside the kernel. g, beta, A_log, dt_bias and the states may be float32, bfloat16 or
+float16; the final state is float32 (in place: the pool's dtype). The kernel path can be captured in
+a CUDA graph: ``cu_seqlens`` (and, in place, ``ssm_state_indices``) are checked on the host once per
+tensor version, outside capture.
 
 Everything else (CPU tensors, other GPUs, other dtypes or head dims, and calls that need gradients:
 the kernel has no backward) runs ``flashqla.reference.fused_recurrent_gated_delta_rule_ref`` in
@@ -41,18 +72,20 @@ from flashqla.hopper import compile_hopper, hopper_gpu_missing
 from flashqla.nvtx import nvtx_range
 from flashqla.varlen import host_bounds
 
-# ---- the kernel (fused_recurrent.s01's, unchanged) ------------------------------------------------
+# ---- the kernel (fused_recurrent.s02's at BV, unchanged) ------------------------------------------
 
 HEAD_DIM = 128                           # K = V = 128 only
 LANES = 32                               # one warp a CTA
 COLS = 4                                 # adjacent state columns a lane owns (one float4, K-first)
 QUAD = 4                                 # adjacent rows in one of its float4s (V-first)
-COL_GROUPS = 4                           # lanes side by side in the columns: BV = 16
-ROW_GROUPS = LANES // COL_GROUPS         # lanes sharing columns, each with K / 8 = 16 rows
-BV = COL_GROUPS * COLS                   # value columns a CTA
-QUADS = HEAD_DIM // (ROW_GROUPS * QUAD)  # a lane's rows: 32 j + 4 r + s, j < QUADS, s < QUAD
-ROWS = QUADS * QUAD                      # 16
-BT = 16                                  # tokens staged in shared memory at a time
+BV = 8                                   # value columns a CTA (s02 compiles 8 or 16): V / BV CTAs a state
+MIN_CTAS_PER_SM = {8: 32, 16: 16}[BV]    # the launch bound: 64 (BV = 8) or 128 registers a lane
+COL_GROUPS = BV // COLS                  # lanes side by side in the columns
+ROW_GROUPS = LANES // COL_GROUPS         # lanes sharing columns: 16 (BV = 8) or 8 (BV = 16)
+QUADS = HEAD_DIM // (ROW_GROUPS * QUAD)  # a lane's rows: 4 ROW_GROUPS j + 4 r + s, s < QUAD
+ROWS = QUADS * QUAD                      # 8 (BV = 8) or 16 (BV = 16)
+SHUFFLES = ROW_GROUPS.bit_length() - 1   # xor steps that sum over the row groups
+BT = 8                                   # tokens staged in shared memory at a time
 SUMS = 2 * COLS + 3                      # h^T k, h^T q (4 columns each), k.q, ||k||^2, ||q||^2
 LOG2E = 1.4426950408889634
 SOFTPLUS_LINEAR = 20.0                   # softplus(x) = x above this (FLA's and torch's threshold)
@@ -100,7 +133,8 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
     num_index = T.dynamic("num_index")
 
     def at(j, s, c):
-        """The register of (row 32 j + 4 r + s, column 4 c' + c): float4s along the stored rows."""
+        """The register of (row QUAD ROW_GROUPS j + QUAD r + s, column COLS c' + c): float4s along
+        the stored rows."""
         return (j * COLS + c) * QUAD + s if x.state_v_first else (j * QUAD + s) * COLS + c
 
     def row(j, s, lr):
@@ -125,10 +159,11 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
         scale: T.float32,
     ):
         with T.Kernel(V // BV, num_seqs, HV, threads=LANES) as (i_v, i_n, i_hv):
+            T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             i_h = i_hv // group
             lane = T.get_thread_binding()
             lc = lane % COL_GROUPS               # columns col0 .. col0 + 3
-            lr = lane // COL_GROUPS              # rows 32 j + 4 lr + s
+            lr = lane // COL_GROUPS              # rows QUAD ROW_GROUPS j + QUAD lr + s
             col0 = i_v * BV + lc * COLS
 
             q_s = T.alloc_shared((BT, K), "bfloat16")
@@ -137,6 +172,7 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
             g_s = T.alloc_shared((BT,), "float32")   # log2 of the decay
             b_s = T.alloc_shared((BT,), "float32")   # the step size beta
             h = T.alloc_local((ROWS * COLS,), "float32")
+            gb = T.alloc_local((4,), "float32")      # lane i < BT: token i's raw g, beta; A_log, dt_bias
             q_t = T.alloc_local((ROWS,), "float32")
             k_t = T.alloc_local((ROWS,), "float32")
             sums = T.alloc_local((SUMS,), "float32")
@@ -152,7 +188,8 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
             slot = T.cast(indices[i_n], "int32") if x.indexed else i_n
             present = (slot >= 0) & (slot < num_slots) if x.indexed else True
 
-            # h <- the initial state (zeros without one, or for a padding slot), 16 float4 loads
+            # h <- the initial state (zeros without one, or for a padding slot): ROWS * COLS / 4
+            # float4 loads, issued first, waited for by the first token's sums
             for r in T.unroll(ROWS * COLS):
                 h[r] = 0.0
             if x.h0:
@@ -170,38 +207,47 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
             for blk in T.serial(T.ceildiv(eos - bos, BT)):
                 t0 = bos + blk * BT
                 n_here = T.min(BT, eos - t0)
-                # shared <- the block's tokens: q, k, this CTA's columns of v, log2 decay, beta
+                # every load of the block in flight before any is waited for: lane i's raw g and
+                # beta (and A_log, dt_bias) into registers, then q and k (only the tokens that
+                # exist: one at T = 1) and this CTA's columns of v by cp.async, no registers
                 T.sync_threads()
-                for i, d in T.Parallel(BT, K):
+                for r in T.unroll(4):
+                    gb[r] = 0.0
+                if lane < n_here:
+                    if x.gate != "none":
+                        gb[0] = T.cast(g[t0 + lane, i_hv], "float32")
+                    gb[1] = T.cast(beta[t0 + lane, i_hv], "float32")
+                    if x.gate == "raw":
+                        gb[2] = T.cast(a_log[i_hv], "float32")
+                        if x.dt_bias:
+                            gb[3] = T.cast(dt_bias[i_hv], "float32")
+                for i in T.unroll(BT):
                     if i < n_here:
-                        q_s[i, d] = q[t0 + i, i_h, d]
-                        k_s[i, d] = k[t0 + i, i_h, d]
-                for i, d in T.Parallel(BT, BV):
-                    if i < n_here:
-                        v_s[i, d] = v[t0 + i, i_hv, i_v * BV + d]
-                for i in T.Parallel(BT):
-                    if i < n_here:
-                        gi = T.cast(g[t0 + i, i_hv], "float32") if x.gate != "none" else 0.0
-                        if x.gate == "raw":  # g <- -exp(A_log) softplus(g + dt_bias)
-                            if x.dt_bias:
-                                gi = gi + T.cast(dt_bias[i_hv], "float32")
-                            gi = -T.exp(T.cast(a_log[i_hv], "float32")) * T.if_then_else(
-                                gi > SOFTPLUS_LINEAR, gi, T.log(1.0 + T.exp(gi)))
-                        g_s[i] = gi * LOG2E
-                        bi = T.cast(beta[t0 + i, i_hv], "float32")
-                        if x.beta != "given":  # beta <- sigmoid(beta), or twice that
-                            bi = 1.0 / (1.0 + T.exp(-bi))
-                        b_s[i] = bi * 2.0 if x.beta == "2sigmoid" else bi
+                        T.async_copy(q[t0 + i, i_h, :], q_s[i, :])
+                        T.async_copy(k[t0 + i, i_h, :], k_s[i, :])
+                T.async_copy(v[t0:t0 + BT, i_hv, i_v * BV:(i_v + 1) * BV], v_s)
+                T.ptx_wait_group(0)
+                # lane i activates token i's gates: log2 of the decay and the step size
+                if lane < n_here:
+                    gi = gb[0]
+                    if x.gate == "raw":  # g <- -exp(A_log) softplus(g + dt_bias), dt_bias 0 if absent
+                        gi = gi + gb[3]
+                        gi = -T.exp(gb[2]) * T.if_then_else(gi > SOFTPLUS_LINEAR, gi, T.log(1.0 + T.exp(gi)))
+                    g_s[lane] = gi * LOG2E
+                    bi = gb[1]
+                    if x.beta != "given":  # beta <- sigmoid(beta), or twice that
+                        bi = 1.0 / (1.0 + T.exp(-bi))
+                    b_s[lane] = bi * 2.0 if x.beta == "2sigmoid" else bi
                 T.sync_threads()
 
                 for i in T.serial(n_here):
-                    # the lane's 16 rows of k_t and q_t
+                    # the lane's rows of k_t and q_t
                     for j in T.unroll(QUADS):
                         for s in T.vectorized(QUAD):
                             k_t[j * QUAD + s] = k_s[i, row(j, s, lr)]
                             q_t[j * QUAD + s] = q_s[i, row(j, s, lr)]
                     # sums <- h^T k, h^T q (the lane's 4 columns), k.q (||k||^2, ||q||^2) over its
-                    # rows, then over the 8 lanes of the column group
+                    # rows, then over the ROW_GROUPS lanes of the column group
                     for r in T.unroll(SUMS):
                         sums[r] = 0.0
                     for j in T.unroll(QUADS):
@@ -213,7 +259,7 @@ def fused_recurrent_kernel(H: int, HV: int, variant: Variant = Variant()):
                             if x.l2norm:
                                 sums[2 * COLS + 1] += k_t[j * QUAD + s] * k_t[j * QUAD + s]
                                 sums[2 * COLS + 2] += q_t[j * QUAD + s] * q_t[j * QUAD + s]
-                    for m in T.unroll(3):
+                    for m in T.unroll(SHUFFLES):
                         for r in T.unroll(SUMS):
                             sums[r] += T.shfl_xor(sums[r], COL_GROUPS << m)
                     decay = T.exp2(g_s[i])
@@ -300,7 +346,7 @@ def _kernel_forward(q, k, v, g, beta, scale, initial_state, output_final_state, 
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, inplace_final_state,
                     ssm_state_indices):
-    """fused_recurrent.s01's ``run``: one launch on checked inputs (scale a float or None)."""
+    """fused_recurrent.s02's ``run`` at ``BV``: one launch on checked inputs (scale a float or None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     device = q.device

@@ -1,7 +1,7 @@
 """flashqla.fused_recurrent_gated_delta_rule (decode): the reference's semantics in float64, a clear
-error for every bad input, the library's kernel is fused_recurrent.s01's program, and (GPU) the
-kernel within the derived tolerance over tokens, batches, varlen, head layouts, FLA's in-kernel
-options and a state pool updated in place."""
+error for every bad input, the library's kernel is fused_recurrent.s02's program at the library's
+width BV, and (GPU) the kernel within the derived tolerance over tokens, batches, varlen, head
+layouts, FLA's in-kernel options and a state pool updated in place."""
 
 import functools
 import math
@@ -20,7 +20,8 @@ from flashqla.testing import Problem, cast_floats, check_op, rel_l2, run_on_thre
 
 F64 = torch.float64
 decode = recurrent.fused_recurrent_gated_delta_rule
-STAGE = load("fused_recurrent", 1)
+STAGE = load("fused_recurrent", 2)
+stage_run = functools.partial(STAGE.run, BV=recurrent.BV)  # s02 at the library's width
 
 
 def _inputs(H=2, HV=4, lengths=(3, 1, 5, 0), varlen=True, K=16, V=16, initial_state=True,
@@ -282,7 +283,7 @@ VARIANTS = [
 def test_library_kernel_is_the_stage_kernel(variant, H, HV):
     lib_variant = recurrent.Variant(*VARIANTS[variant])
     assert (recurrent.fused_recurrent_kernel(H, HV, lib_variant).script()
-            == STAGE.fused_recurrent_kernel(H, HV, VARIANTS[variant]).script())
+            == STAGE.fused_recurrent_kernel(H, HV, VARIANTS[variant], recurrent.BV).script())
 
 
 def test_library_variants_are_the_stages():
@@ -294,11 +295,21 @@ def test_library_variants_are_the_stages():
     assert recurrent.variant_of(*args) == STAGE.variant_of(*args)
 
 
-def test_a_changed_kernel_is_caught(monkeypatch):
-    """The check above can fail: another constant prints another program."""
-    monkeypatch.setattr(recurrent, "SOFTPLUS_LINEAR", 15.0)
+@pytest.mark.parametrize("constant, value", [("SOFTPLUS_LINEAR", 15.0), ("MIN_CTAS_PER_SM", 24), ("BT", 16)])
+def test_a_changed_kernel_is_caught(constant, value, monkeypatch):
+    """The check above can fail: a copy with another constant (the softplus threshold, the launch
+    bound, the token block) prints another program."""
+    monkeypatch.setattr(recurrent, constant, value)
     v = recurrent.Variant(gate="raw")
-    assert recurrent.fused_recurrent_kernel(16, 32, v).script() != STAGE.fused_recurrent_kernel(16, 32, v).script()
+    assert (recurrent.fused_recurrent_kernel(16, 32, v).script()
+            != STAGE.fused_recurrent_kernel(16, 32, v, recurrent.BV).script())
+
+
+def test_the_stage_at_the_other_width_is_another_program():
+    """... and the library's program is the stage's at one width only."""
+    other, = set(STAGE.WIDTHS) - {recurrent.BV}
+    assert (recurrent.fused_recurrent_kernel(16, 32).script()
+            != STAGE.fused_recurrent_kernel(16, 32, STAGE.Variant(), other).script())
 
 
 def test_library_kernel_compiles_for_hopper_as_the_stage(monkeypatch):
@@ -312,9 +323,10 @@ def test_library_kernel_compiles_for_hopper_as_the_stage(monkeypatch):
                         or real(func, **options))
     source = recurrent._compiled.__wrapped__(16, 32, recurrent.Variant()).get_kernel_source()
     monkeypatch.setattr(tilelang, "compile", lambda func, **options: calls.append((func.script(), options)))
-    STAGE._compiled.__wrapped__(16, 32, STAGE.Variant())
+    STAGE._compiled.__wrapped__(16, 32, STAGE.Variant(), recurrent.BV)
     assert calls[0] == calls[1]
-    for needle in STAGE.SOURCE_MUST_CONTAIN:
+    launch_bound = f"__launch_bounds__(32, {STAGE.MIN_CTAS_PER_SM[recurrent.BV]})"  # the stage's at BV
+    for needle in [n for n in STAGE.SOURCE_MUST_CONTAIN if "launch_bounds" not in n] + [launch_bound]:
         assert needle in source, f"the library's decode kernel lacks `{needle}`"
 
 
@@ -382,7 +394,7 @@ def compiled():
              + [_option_inputs(c) for c in GPU_OPTIONS]
              + [_pool_inputs(d, vf, p) for d, vf in POOLS for p in (False, True)])
     run_on_threads([functools.partial(decode, **x) for x in cases]
-                   + [functools.partial(STAGE.run, **_varlen_inputs(16, 32, (1, 4, 0, 17), torch.int32))])
+                   + [functools.partial(stage_run, **_varlen_inputs(16, 32, (1, 4, 0, 17), torch.int32))])
 
 
 def _check_decode(fn, x):
@@ -441,7 +453,7 @@ def test_kernel_updates_a_pool_in_place(pool_dtype, state_v_first, compiled):
 def test_library_is_the_stage_bit_for_bit(compiled):
     x = _varlen_inputs(16, 32, (1, 4, 0, 17), torch.int32)
     got = decode(**x)
-    want = STAGE.run(**x)
+    want = stage_run(**x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

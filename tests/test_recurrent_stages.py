@@ -1,7 +1,7 @@
 """fused_recurrent.s02 (decode, every load of a CTA in flight before its first wait; BV = 8 or 16
 value columns a CTA): its sm_90a compile at each width (the launch bound, the cp.async staging),
 and (GPU) each width within the derived tolerance over the library tests' batches, varlen
-problems, options and state pools (tests/test_recurrent.py checks s01 through the library)."""
+problems, options and state pools (tests/test_recurrent.py checks the library's width, BV)."""
 
 import functools
 
