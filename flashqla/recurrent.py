@@ -15,30 +15,35 @@ promoted unchanged from ``kernels/fused_recurrent/s02_loads_first.py`` at one wi
 program). At T = 1 decode streams the state: each 64 KB fp32 state is read once and written once,
 so the kernel's job is to keep enough state bytes in flight on every SM and add nothing to them.
 
-The layout. One warp a CTA, and one CTA per (BV = 8 value columns, sequence, value head): 16 CTAs a
-state. A lane owns 4 adjacent columns of 8 rows (32 fp32 state registers): lane = 2 r + c owns
-columns 4 c .. 4 c + 3 of the CTA's 8 and rows 64 j + 4 r + s (j < 2, s < 4), held in registers for
-the call's tokens. Both state layouts load and store as 16-byte vectors (K-first: a lane's 4 columns
-of one row are one float4, a warp instruction 16 rows x 32 bytes; V-first: its 4 rows of one column,
-a warp instruction 2 columns x 256 contiguous bytes). The sums over K (h^T k, h^T q for the lane's
-columns, k . q, and ||k||^2, ||q||^2 with the l2norm) are summed over its rows, then over the 16
-lanes of a column group by 4 xor shuffles (lanes 2, 4, 8, 16 apart); the output needs no second pass
-over h (o = scale (exp(g) h^T q + e (k . q))).
+The layout. One warp a CTA, and one CTA per (BV = 16 value columns, sequence, value head): 8 CTAs
+a state. A lane owns 4 adjacent columns of 16 rows (64 fp32 state registers): lane = 4 r + c owns
+columns 4 c .. 4 c + 3 of the CTA's 16 and rows 32 j + 4 r + s (j, s < 4), held in registers for the
+call's tokens. Both state layouts load and store as 16-byte vectors (K-first: a lane's 4 columns of
+one row are one float4, a warp instruction 8 rows x 64 bytes; V-first: its 4 rows of one column, a
+warp instruction 4 columns x 128 contiguous bytes). The sums over K (h^T k, h^T q for the lane's
+columns, k . q, and ||k||^2, ||q||^2 with the l2norm) are summed over its rows, then over the 8 lanes
+of a column group by 3 xor shuffles (lanes 4, 8, 16 apart); the output needs no second pass over h
+(o = scale (exp(g) h^T q + e (k . q))).
 
 The loads. A CTA issues its state's float4 loads first, then fetches its block of BT = 8 tokens in
 one trip beside them: lanes 0 .. BT - 1 load their token's raw g and beta (and A_log, dt_bias) into
 registers; q, k (only the tokens that exist: one at T = 1) and the CTA's BT x BV block of v (whole:
-at T = 1 seven 16-byte rows more than it needs) go to shared memory by cp.async, which holds no
+at T = 1 seven 32-byte rows more than it needs) go to shared memory by cp.async, which holds no
 registers; one ``cp.async.wait_group 0`` and a barrier, then the lanes activate their tokens' gates
 (log2 decay, step size) into shared memory. So a CTA waits for one trip to memory, its state and its
 tokens together, before its first token.
 
-Registers and CTAs an SM. ``__launch_bounds__(32, 32)`` asks ptxas (nvcc 13.0, sm_90a) for 64
-registers a lane; the default and FLA's layer variant compile with no spills, so an SM holds 32
-CTAs, its limit: 128 KB of state in flight an SM. Shared memory is 4.3 KB a CTA (plus 1 KB the
-hardware reserves), 170 KB for 32.
+Registers and CTAs an SM. ``__launch_bounds__(32, 16)`` asks ptxas (nvcc 13.0, sm_90a) for 128
+registers a lane; it compiles with no spills, so an SM holds 16 CTAs: 128 KB of state in flight an
+SM. Shared memory is about 4.4 KB a CTA (q and k 4 KB, v 256 B, the gates).
 
-Measured: <FILL from profiles/results/decode.csv>
+Measured (``profiles/decode_lab.py --stages``, ``profiles/results/decode_stages.csv``: one H100,
+commit d126b76, FLA 0.6.0's ``fused_recurrent_gated_delta_rule`` in the same run, CUDA-graph replay;
+(16, 32) and (16, 64), batch 1 to 256, T = 1 and 4, plain calls and FLA's layer call): 0.91-1.82x
+FLA's speed, geomean 1.13x; behind FLA on 11 of the 32 points, all at T = 1: batch 64 and 256
+(0.91-0.94x; this kernel moves the state at 71-90 % of the copy roof, FLA's at up to 99.5 %) and the
+layer call at batch 1 and 8 (0.91-0.97x, 5-30 us). At batch 64 and up it is within 1.11-1.45x of the
+HBM floor (the state read and written once, at the copy roof).
 
 Where TileLang adds bounds checks. Shapes are dynamic, so every global load and store that TileLang
 cannot prove in bounds is guarded (a load outside returns 0; a cp.async outside fills zeros): a
@@ -78,7 +83,7 @@ HEAD_DIM = 128                           # K = V = 128 only
 LANES = 32                               # one warp a CTA
 COLS = 4                                 # adjacent state columns a lane owns (one float4, K-first)
 QUAD = 4                                 # adjacent rows in one of its float4s (V-first)
-BV = 8                                   # value columns a CTA (s02 compiles 8 or 16): V / BV CTAs a state
+BV = 16                                  # value columns a CTA (s02 compiles 8 or 16): V / BV CTAs a state
 MIN_CTAS_PER_SM = {8: 32, 16: 16}[BV]    # the launch bound: 64 (BV = 8) or 128 registers a lane
 COL_GROUPS = BV // COLS                  # lanes side by side in the columns
 ROW_GROUPS = LANES // COL_GROUPS         # lanes sharing columns: 16 (BV = 8) or 8 (BV = 16)

@@ -43,8 +43,18 @@ v, one DEPBAR and the barrier: one trip before the first token. BV = 16 (``run(.
 s01's width) compiles to 128 registers with no spills at 16 CTAs an SM, also 128 KB in flight,
 with half the CTAs; the lab times both widths.
 
-Measured effect: not yet measured (``python profiles/decode_lab.py --stages`` times s01, s02 at BV
-= 8 and 16 and FLA in one run).
+Measured effect (``python profiles/decode_lab.py --stages``, ``profiles/results/decode_stages.csv``:
+one H100, commit d126b76, s01, s02 at BV = 8 and 16 and FLA 0.6.0's fused_recurrent in one run,
+CUDA-graph replay, 32 points: (16, 32) and (16, 64), batch 1 to 256, T = 1 and 4, plain and layer
+calls). Against FLA: s01 0.84-1.60x (geomean 1.05x, behind on 16 points), s02 at BV = 8 0.82-1.72x
+(1.07x, 13), s02 at BV = 16 0.91-1.82x (1.13x, 11). At BV = 16 the loads-first staging alone takes
+0.79-1.04x s01's time (geomean 0.93x): 0.81-0.97x on batch 1 and 8 (latency: one trip to memory
+instead of three) and 0.79-0.88x on the layer call at T = 4 from batch 64, but 0.97-1.04x on plain
+calls from batch 64, where the state stream is the whole cost; at T = 1 there it stays 0.91-0.94x
+FLA (71-90 % of the copy roof; FLA's kernel up to 99.5 %). BV = 8 (32 CTAs an SM) is ahead on the
+layer calls at T = 4 from batch 8 (1.10-1.14x FLA) but behind on plain T = 1 from batch 64
+(0.82-0.85x); not profiled (at BV = 8 twice the CTAs load the same q and k, each for half the
+state bytes). Promoted at BV = 16 (``flashqla.recurrent``).
 """
 
 import functools
