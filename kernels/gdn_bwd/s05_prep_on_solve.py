@@ -67,9 +67,11 @@ more, where s03's prep rounded its fp32 substitution once; Ai = I - T_b M is for
 bf16 T_b and bf16 M and rounded to bf16, where s03 loaded the prep's bf16 Ai. Both enter the same
 bf16 products after.
 
-Measured effect: not yet measured (the GPU runs ``python -m pytest -q -m gpu tests/test_stages.py
--k "gdn_bwd and s05"``, ``tests/test_wy_from_solve.py -m gpu`` and the training-step bench row
-gdn_bwd.s05).
+Measured effect: not yet timed. Checked: ``tests/test_stages.py -k "gdn_bwd and s05" -m gpu``
+passes on the 24 public problems (one H100, commit d126b76: every gradient within ``check_op``'s
+bound of float64). Still to run: ``tests/test_wy_from_solve.py -m gpu`` (beta = 0, flagged chunks,
+forced splits, determinism, graph replay) and the training-step bench rows beside s03, FLA and
+FlashQLA.
 
 Taught in: not taught (lab log).
 """
