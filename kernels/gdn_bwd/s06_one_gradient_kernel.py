@@ -169,7 +169,6 @@ def gradients_kernel(H: int, HV: int):
             dg_shared = T.alloc_shared((BT,), "float32")
             kk_shared = T.alloc_shared((BT, BT), "float32")     # K K^T, the whole group
             p_frag = T.alloc_fragment((BT, BT), "float32")      # dO V~^T; then part B's 64 x 64 products
-            e_frag = T.alloc_fragment((BT, BT), "float32")      # E
             acc = T.alloc_fragment((BT, K), "float32")
             dq_sum = T.alloc_fragment((BT, K), "float32")
             dk_sum = T.alloc_fragment((BT, K), "float32")
@@ -266,6 +265,10 @@ def gradients_kernel(H: int, HV: int):
                     dg_last[0] = 0
                     for i in T.serial(BT):
                         dg_last[0] = dg_last[0] + last_shared[i]
+                    # part A's dg_cum: q_i.dq_i - k_i.dk_i, and dg_C at the last real row; rows < n
+                    for i in T.Parallel(BT):
+                        dg_shared[i] = T.if_then_else(
+                            i < n, r_q[i] - r_ki[i] - r_kp[i] + T.if_then_else(i == n - 1, dg_last[0], 0), 0)
 
                     # ---- part B: s05's wy_bwd on dW (do_shared) and dU = dV~ (du_shared) ----
                     # V <- rows of the chunk, over V~ (its last reader was V~ dS'^T); zeros below row n
@@ -286,12 +289,12 @@ def gradients_kernel(H: int, HV: int):
                         ai_shared[i, c] = T.if_then_else(i < n, T.if_then_else(i == c, 1.0, 0.0) - p_frag[i, c], 0)
 
                     # E <- (dW K^T) diag(exp(g)) + dU V^T (one accumulator), strictly lower, rows < n
-                    T.gemm(do_shared, k_shared, e_frag, transpose_B=True, clear_accum=True)
+                    T.gemm(do_shared, k_shared, p_frag, transpose_B=True, clear_accum=True)
                     for i, c in T.Parallel(BT, BT):
-                        e_frag[i, c] = e_frag[i, c] * T.exp2(g_shared[c])
-                    T.gemm(du_shared, vn_shared, e_frag, transpose_B=True)
+                        p_frag[i, c] = p_frag[i, c] * T.exp2(g_shared[c])
+                    T.gemm(du_shared, vn_shared, p_frag, transpose_B=True)
                     for i, c in T.Parallel(BT, BT):
-                        dai_shared[i, c] = T.if_then_else((c < i) & (i < n), e_frag[i, c], 0)
+                        dai_shared[i, c] = T.if_then_else((c < i) & (i < n), p_frag[i, c], 0)
 
                     # dAi Ai^T = E diag(beta) Ai^T = E T_b^T   (64 x 64 x 64, wgmma), over M
                     T.gemm(dai_shared, tb_shared, p_frag, transpose_B=True, clear_accum=True)
@@ -337,16 +340,16 @@ def gradients_kernel(H: int, HV: int):
                         acc[i, d] = acc[i, d] * vn_shared[i, d]
                     T.reduce_sum(acc, r_v, dim=1)
 
-                    # dbeta_i <- exp(g_i) r_k + r_v + r_e;  dg_cum_i <- part A's (q_i.dq_i - k_i.dk_i,
-                    # + dg_C at the last real row) + part B's (beta_i (exp(g_i) r_k + r_e) - r_et), rows < n
+                    # dbeta_i <- exp(g_i) r_k + r_v + r_e;  part B's dg_cum (over the dg_C terms):
+                    # beta_i (exp(g_i) r_k + r_e) - r_et;  rows < n
                     for i in T.Parallel(BT):
                         if i < n:
                             dbeta[bos + i, i_hv] = T.exp2(g_shared[i]) * r_k[i] + r_v[i] + r_e[i]
+                        last_shared[i] = T.if_then_else(
+                            i < n, b_shared[i] * (T.exp2(g_shared[i]) * r_k[i] + r_e[i]) - r_et[i], 0)
+                    # dg_cum <- part A's + part B's (one thread a row: shared memory only)
                     for i in T.Parallel(BT):
-                        dg_shared[i] = T.if_then_else(
-                            i < n,
-                            (r_q[i] - r_ki[i] - r_kp[i] + T.if_then_else(i == n - 1, dg_last[0], 0))
-                            + (b_shared[i] * (T.exp2(g_shared[i]) * r_k[i] + r_e[i]) - r_et[i]), 0)
+                        dg_shared[i] = dg_shared[i] + last_shared[i]
                     # dg_t <- sum over the chunk's rows s >= t of dg_cum_s
                     T.cumsum(dg_shared, dim=0, reverse=True)
                     for i in T.Parallel(BT):
