@@ -10,21 +10,23 @@ row, key head) each, walking the value heads of the group in turn:
 This stage runs them as ONE kernel, ``gradients_kernel``, on the same grid: per value head of the
 group, chunk_bwd_dqkwg's products (part A), then, at once, wy_bwd's on the dW that part A left in
 shared memory (part B). The group's dk is one fp32 sum in registers over both parts, a value
-head's dg_cum is the sum of both parts in registers, and its reverse cumsum runs in the kernel
+head's dg_cum the sum of both parts in shared memory, and its reverse cumsum runs in the kernel
 before dg is stored: dw, dk_a, dk_b, dg_a and dg_b never reach HBM, and the finish is gone. The
 math is s05's, product for product (``flashqla.reference.chunk_bwd_dqkwg``, then
 ``flashqla.reference.wy_bwd_ab``, then ``chunk_local_reverse_cumsum``), with three differences in
 rounding: dk is rounded to bf16 once (s05: dk_a and dk_b each, then their sum); E = dW K'^T +
 dU V^T accumulates dU V^T onto the column-scaled dW K^T in one wgmma accumulator (s05: two
-fragments, then a sum); dg's two parts and the reverse cumsum are the same fp32 sums.
+fragments, then a sum); dg's reverse cumsum is TileLang's 1-D scan over the chunk where s02's
+finish ran its 2-D one over (chunk, value heads), the same fp32 sums, perhaps in another order.
 
 Why: measured per-kernel times of one training step (torch.profiler, one H100, the library's
 backward = s03, commit 6bdfe52) on (16, 64) 8 x 4096: wy_bwd 2.21 ms, chunk_bwd_dqkwg 2.19,
-finish 0.17, of which this stage removes the bytes that pass between them: dw (bf16, written once
-and read once), dk_a, dk_b and dg_a, dg_b (written once, read by the finish), the second reads of
-k, g_cum and dV~, and one launch; at (16, 64) 32768 tokens that is about 4 x 512 MB of HBM traffic
-(dw 2 x 512 MB; dk_a, dk_b, dg_a, dg_b, dk 3 x 128 MB and 5 x 8 MB; k, g_cum, dV~ again 128 + 8 +
-512 MB, napkin math) and two kernels at one CTA an SM become one.
+finish 0.17 (walk 3.45, prep 1.82, which s05 replaces). Between the two kernels and the finish
+pass bytes no gradient needs in HBM; napkin math at (16, 64), 32768 tokens (bf16 [T, HV, 128] =
+512 MiB, bf16 [T, H, 128] = 128 MiB, fp32 [T, HV] = 8 MiB): dw written and read (1024 MiB);
+dk_a, dk_b written and read by the finish (512 MiB); dg_a, dg_b likewise (32 MiB); k, g_cum and
+dV~ read a second time (648 MiB): 2.3 GB, 0.69 ms at an H100's 3.35 TB/s peak, and one launch.
+Both kernels ran at one CTA an SM; so does this one.
 
 Launch order (each step in an NVTX range gdn_bwd.s06.<name>):
 
@@ -37,41 +39,52 @@ Launch order (each step in an NVTX range gdn_bwd.s06.<name>):
                         dq, dk, dv, dbeta, dg (the reverse cumsum included)
 
 The kernel (``gradients_kernel``): THREADS = 2 warpgroups a (chunk row, key head), each owning
-half the columns of every product (TileLang's split of a 64-row wgmma). Q, K and K K^T (fp32
-fragment) once; then per value head of the group:
+half the columns of every product (TileLang's split of a 64-row wgmma). Q, K, K K^T (fp32, in
+shared memory) once; then per value head of the group:
 
     loads     S, dS' by TMA (one mbarrier, parity = the head's index mod 2) while the plain loads
               of g, beta, dO, V~, dV~ run
-    part A    chunk_bwd_dqkwg.s01's five products in its order (dO V~^T, dO S^T + dP K, V~ dS'^T,
+    part A    chunk_bwd_dqkwg.s01's products in its order (dO V~^T, dO S^T + dP K, V~ dS'^T,
               dP^T Q), its row sums and <S, dS'>; then dW = -dV~ S^T, moved last so that dW is
-              written over dO, which is dead by then
-    part B    wy_bwd (s05's): V over V~ (dead), T_b, M, Ai = I - T_b M, E, E T_b^T, dA~, D, the
+              written over dO, which is dead by then; part A's dg_cum into shared memory
+    part B    s05's wy_bwd: V over V~ (dead), T_b, M, Ai = I - T_b M, E, E T_b^T, dA~, D, the
               transposed row sums, D K + D^T K, Ai^T dW, Ai^T dU; dv staged over dW (dead after
-              Ai^T dW) and stored; dbeta stored; dg_cum = part A's + part B's, reverse cumsum in
-              shared memory, stored
-    after the group: dq, dk (fp32 sums over the group and both parts) staged over dO, stored
+              Ai^T dW) and stored; dbeta stored; part B's dg_cum added to part A's (one thread a
+              row, shared memory only: the fragments' rows are held by several threads), reverse
+              cumsum in shared memory, dg stored
+    after the group: dq, dk (fp32 sums over the group, dk over both parts) staged over dO, stored
 
-Shared memory (as TileLang allocates it, sm_90a, every public layout; one buffer a line, what it
-holds in turn; no buffer is given two addresses by TileLang's planner, which does not reuse across
-a loop body, so the aliasing is by hand, by reusing a buffer of the same shape):
+Shared memory (offsets as TileLang 0.1.15 places them, the same at every public layout; its
+planner gives no two buffers one address inside the value-head loop, so the reuse is by hand:
+one buffer of the right shape holds, in turn, what the list says):
 
-    q, k              2 x 16 KiB   Q, K of the key head, the whole CTA
-    s, dh             2 x 32 KiB   S, dS' (TMA), part A
-    do                16 KiB       dO (part A) -> dW (end of A, Ai^T dW in B) -> dv staging (B)
-                                   -> dq, dk staging (after the group)
-    vn                16 KiB       V~ (part A, to V~ dS'^T) -> V (part B)
-    du                16 KiB       dV~ = dL/du, both parts
-    dp                8 KiB        dP (part A) -> D = diag(beta) dA~ * Gamma (part B)
-    tb, ai, dai, m    4 x 8 KiB    T_b, Ai, E, M -> E T_b^T (part B)
-    e                 16.25 KiB    diag(beta) dA~ * K K^T, fp32, odd row length (part B)
-    g, b, last, dg    4 x 256 B    log2(e) g_cum, beta, the dg_C terms, dg_cum -> its reverse cumsum
-    reduce workspaces and the mbarrier
+    dh, s          2 x 32 KiB     dS', S (TMA), part A
+    e              16.25 KiB      diag(beta) dA~ * K K^T, fp32, rows of 65 (transposed reads on
+                                  32 banks), part B
+    b, dg, g, last 4 x 256 B      beta; dg_cum -> its reverse cumsum; log2(e) g_cum; dg_C's terms,
+                                  then part B's dg_cum
+    do             16 KiB         dO (A) -> dW (end of A, read by E and Ai^T dW) -> dv staging (B)
+                                  -> dq, dk staging (after the group)
+    du             16 KiB         dV~ = dL/du, both parts
+    k, q           2 x 16 KiB     K, Q of the key head
+    kk             16 KiB         K K^T, fp32, the whole group
+    vn             16 KiB         V~ (A, to V~ dS'^T) -> V (B)
+    ai, dai, dp,   5 x 8 KiB      Ai; E; dP (A) -> D = diag(beta) dA~ * Gamma (B); M -> E T_b^T;
+    m, tb                         T_b (part B but dP)
+    workspaces     8 x 1 KiB      TileLang's, one per reduce_sum
 
-    total: see the table printed by the compile check below (REPLACED AT COMPILE TIME)
+    230,656 B dynamic + 1 KiB static = 226.25 KiB of the 227 KiB an SM allows: one CTA an SM
+    (s05's kernels: chunk_bwd_dqkwg.s01 177 KiB, wy_bwd 141 KiB)
 
-Registers (ptxas -v, nvcc 13.0, sm_90a, launch bounds (256, 1)): REPLACED AT COMPILE TIME.
-The fp32 fragments live across the group: dq and dk sums 2 x 32 a thread, K K^T 16; within a
-head at most the 64 x 128 accumulator (32) and two 64 x 64 (2 x 16).
+Registers (ptxas -v, nvcc 13.0, sm_90a, launch bounds (256, 1), every public layout): 255, the
+most a thread can have at 256 threads. At (16, 16) (one value head a key head, no loop) no
+spills; with 2-4 value heads a key head 72-84 bytes of spill stores and loads: ptxas hoists the
+wgmma descriptors (64 bits per operand buffer and orientation) out of the value-head loop as
+invariants; at (16, 64) it stores eight of them and four 32-bit scalars once before the loop and
+loads each once a value head (LDL near part B's first products); no fragment is spilled. The
+fp32 fragments that live across the group are the dq and dk sums, 2 x 32 a thread; within a
+head the 64 x 128 accumulator (32) and one 64 x 64 (16). (s05's kernels: chunk_bwd_dqkwg.s01
+255, wy_bwd 224, neither spills.)
 
 Exponents: as s05's two kernels (every exp2 argument <= 0: g_i, g_i - g_j for j <= i, g_C - g_i
 for real rows); rows >= n of every tile are zero and never stored; an empty chunk row does
