@@ -109,7 +109,7 @@ from flashqla.varlen import num_chunk_rows, seq_bounds
 
 NEEDS = ("hopper",)
 # gdn_bwd_gradients: the fused kernel; wgmma: its products; tma_load: S and dS'; exp2f: the decays
-SOURCE_MUST_CONTAIN = ("gdn_bwd_gradients", "gdn_bwd_wu", "wgmma", "tma_load", "exp2f")
+SOURCE_MUST_CONTAIN = ("gdn_bwd_gradients", "wgmma", "tma_load", "exp2f")
 
 S05 = load("gdn_bwd", 5)         # the solve, wu, the split path, the walk (s02's)
 S03 = S05.S03
@@ -388,9 +388,8 @@ def _gradients(H: int, HV: int):
 
 
 def kernel_source() -> str:
-    """The CUDA C++ of the solve's consumer ``wu`` (s05's) and this stage's fused kernel, generated
-    for sm_90a at the default shape."""
-    return "\n".join((S05._wu(**DEFAULT_SHAPE).get_kernel_source(), _gradients(**DEFAULT_SHAPE).get_kernel_source()))
+    """The CUDA C++ of this stage's one new kernel, generated for sm_90a at the default shape."""
+    return _gradients(**DEFAULT_SHAPE).get_kernel_source()
 
 
 def run(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
