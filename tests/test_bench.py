@@ -3,14 +3,19 @@ page are generated from the CSVs; the README is short and its map, links and usa
 hold what the stages' docstrings quote."""
 
 import dataclasses
+import importlib.util
 import math
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashqla import bench
 from flashqla.testing import Problem
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_useful_flops_per_chunk_and_head():
@@ -827,3 +832,24 @@ def test_peers_warm_up_in_one_process_per_head_layout(monkeypatch, capsys):
     bench._run_peers_once("gdn_train", started[0][4:])
     want = [p.label for p in problems if bench.short_label(p.label) in started[0][4:]]
     assert calls == [(peer, label) for label in want for peer in bench.TRAINING.peers]
+
+
+def _breakdown_lab():
+    spec = importlib.util.spec_from_file_location("bwd_breakdown_lab", ROOT / "profiles" / "bwd_breakdown_lab.py")
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    return lab
+
+
+def test_breakdown_lab_sums_each_kernel_per_step_and_names_unknown_rows():
+    """profiles/bwd_breakdown_lab.py: CUDA events summed per kernel name over the profiled steps and
+    divided by their count, largest first, CPU events left out; an unknown row is refused by name
+    before anything touches a GPU."""
+    lab = _breakdown_lab()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, us, dev=cuda: types.SimpleNamespace(name=name, device_time_total=us, device_type=dev)
+    events = [ev("walk", 3000), ev("walk", 3400), ev("wy_bwd", 2000), ev("wy_bwd", 2200),
+              ev("walk", 1e6, cpu), ev("finish", 300)]
+    assert lab.per_kernel(events, 2) == [("walk", 3.2, 1), ("wy_bwd", 2.1, 1), ("finish", 0.15, 0)]
+    with pytest.raises(ValueError, match="not training rows"):
+        lab.main(["--commit", "abc", "--rows", "fwd + gdn_bwd/s99_nothing"])

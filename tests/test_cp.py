@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import time
 import warnings
 
 import pytest
@@ -314,14 +315,18 @@ GRAPH_CASE = ("contiguous", (300, 3000, 796))   # a sequence spanning the two ra
 def _graph_worker(rank, world, port, out):
     """One rank: GRAPH_CASE's cp call, forward and backward, captured in one CUDA graph after two
     eager calls on a side stream (torch.cuda.graph's warm-up); rank 0 writes each rank's verdict:
-    None when the replay gave the eager call's bits, else what went wrong. A rank still running
-    after 150 s (loading its kernels from TileLang's cache and both calls take well under that)
-    prints every thread's stack and exits: the test fails with where it hung."""
-    faulthandler.dump_traceback_later(150, exit=True)
+    None when the replay gave the eager call's bits, else what went wrong. Each rank appends every
+    step it reaches to ``<out>.rank<r>`` (``_graph_step``), and a rank still running after
+    GRAPH_RANK_S writes every thread's stack there and exits: the test then says where it stopped."""
+    log = open(f"{out}.rank{rank}", "a")
+    faulthandler.dump_traceback_later(GRAPH_RANK_S, exit=True, file=log)
+    step = functools.partial(_graph_step, log)
+    step("started")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # NVLink multicast off
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device(f"cuda:{rank}"), timeout=datetime.timedelta(seconds=120))
+    step("process group")
     try:
         layout, lengths = GRAPH_CASE
         x, do, dht = _gpu_problem(lengths, f"cuda:{rank}")
@@ -331,18 +336,24 @@ def _graph_worker(rank, world, port, out):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
+                for i in range(2):
                     eager = _run(x, do, dht, idx, cp_context=ctx)
+                    step(f"eager call {i + 1}")
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            step("eager calls finished on the device")
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 captured = _run(x, do, dht, idx, cp_context=ctx)
+            step("captured")
             graph.replay()
             torch.cuda.synchronize()
+            step("replayed")
             verdict = None if all(torch.equal(a, b) for a, b in zip(captured, eager)) else \
                 "the replay differs from the eager call"
         except Exception as exc:  # noqa: BLE001 -- reported by the test, not raised on one rank alone
             verdict = f"{type(exc).__name__}: {exc}"[:300]
+        step(f"verdict {verdict}")
         verdicts = [None] * world
         dist.all_gather_object(verdicts, verdict)
         if rank == 0:
@@ -351,6 +362,15 @@ def _graph_worker(rank, world, port, out):
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
+        log.close()
+
+
+GRAPH_RANK_S = 150   # loading the kernels from TileLang's cache and both calls take well under this
+
+
+def _graph_step(log, what: str) -> None:
+    log.write(f"{time.strftime('%X')} {what}\n")
+    log.flush()
 
 
 def _rank_problems(lengths, layout, world):
@@ -423,11 +443,25 @@ def test_nccl_kernel_ranks_match_one_gpu(world, tmp_path, warm_kernels):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_kernel_ranks_replay_in_a_cuda_graph(tmp_path, warm_kernels):
     """The cp call over NCCL, forward and backward, captured in one CUDA graph on each of two ranks:
-    the replay gives the eager call's outputs and gradients bit for bit."""
+    the replay gives the eager call's outputs and gradients bit for bit. The ranks get
+    GRAPH_RANK_S and a margin; a rank that has not finished by then is killed, and the test fails
+    with each rank's steps (and stacks, where its own watchdog wrote them)."""
     out = tmp_path / "graph.json"
-    mp.start_processes(_graph_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True,
-                       start_method="spawn")
-    assert json.loads(out.read_text()) == [None, None]
+    ranks = mp.start_processes(_graph_worker, args=(2, _free_port(), str(out)), nprocs=2, join=False,
+                               start_method="spawn")
+    deadline, failure = time.monotonic() + GRAPH_RANK_S + 30, "killed at the deadline"
+    try:
+        while not ranks.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ranks.processes:
+                    proc.kill()
+                break
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # its watchdog's exit, say
+        failure = f"{type(exc).__name__}: {exc}"[:2000]
+    steps = {r: (tmp_path / f"graph.json.rank{r}").read_text() if (tmp_path / f"graph.json.rank{r}").exists()
+             else "(no step: the rank never started its worker)" for r in range(2)}
+    assert out.exists(), f"the ranks did not finish ({failure}); their steps:\n{steps[0]}\n---\n{steps[1]}"
+    assert json.loads(out.read_text()) == [None, None], steps
 
 
 # ---- one rank, in process

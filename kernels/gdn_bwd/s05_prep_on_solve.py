@@ -67,11 +67,25 @@ more, where s03's prep rounded its fp32 substitution once; Ai = I - T_b M is for
 bf16 T_b and bf16 M and rounded to bf16, where s03 loaded the prep's bf16 Ai. Both enter the same
 bf16 products after.
 
-Measured effect: not yet timed. Checked: ``tests/test_stages.py -k "gdn_bwd and s05" -m gpu``
-passes on the 24 public problems (one H100, commit d126b76: every gradient within ``check_op``'s
-bound of float64). Still to run: ``tests/test_wy_from_solve.py -m gpu`` (beta = 0, flagged chunks,
-forced splits, determinism, graph replay) and the training-step bench rows beside s03, FLA and
-FlashQLA.
+Measured effect: slower than s03 on every problem timed (one H100, commit c8873d0, ``python -m
+flashqla bench --mode gdn_train``, CUDA-graph replay, FLA and FlashQLA in the same run,
+``profiles/results/gdn_train_s05_s06.csv``; ms of the training step / of the backward alone):
+
+    problem             s03              s05              s05's speed   FlashQLA
+    (2, 8) 1x8192       0.634 / 0.522    0.655 / 0.536    0.97x s03     0.434
+    (2, 8) 1x32768      1.885 / 1.627    2.010 / 1.755    0.94x         1.129
+    (16, 64) 1x32768    10.847 / 9.625   12.132 / 10.939  0.89x         7.433
+    (16, 64) 8x4096     10.828 / 9.677   12.031 / 10.974  0.90x         5.423
+
+At (16, 64) the backward got 1.3 ms slower where the prep it replaces took 1.82 ms (torch.profiler,
+commit 6bdfe52): the solve, wu and the larger wy_bwd together cost about 3.1 ms. The napkin math
+expected less than the prep: wu moves about 1.9 GB at (16, 64) 32768 tokens (k, v, Ab in; w, u
+out), 0.57 ms at 3.35 TB/s, and the solve writes 256 MiB of Ab. Which of the three kernels takes
+the time is not measured yet (``profiles/bwd_breakdown_lab.py`` on this row is the next run).
+Checked: ``tests/test_stages.py -k "gdn_bwd and s05" -m gpu`` passes on the 24 public problems
+(one H100, c8873d0), and the bench checked every timed row against float64 first. Not run yet:
+``tests/test_wy_from_solve.py -m gpu`` (beta = 0, flagged chunks, forced splits, determinism,
+graph replay).
 
 Taught in: not taught (lab log).
 """

@@ -90,9 +90,27 @@ Exponents: as s05's two kernels (every exp2 argument <= 0: g_i, g_i - g_j for j 
 for real rows); rows >= n of every tile are zero and never stored; an empty chunk row does
 nothing.
 
-Measured effect: not yet measured (the GPU runs ``python -m pytest -q -m gpu tests/test_stages.py
--k "gdn_bwd and s06"``, ``tests/test_one_gradient_kernel.py -m gpu`` and the training-step bench
-row gdn_bwd.s06).
+Measured effect: slower than s05 and s03 on every problem timed (one H100, commit c8873d0,
+``python -m flashqla bench --mode gdn_train``, CUDA-graph replay, FLA and FlashQLA in the same run,
+``profiles/results/gdn_train_s05_s06.csv``; ms of the training step / of the backward alone):
+
+    problem             s05              s06              s06's speed   FlashQLA
+    (2, 8) 1x8192       0.655 / 0.536    0.681 / 0.563    0.96x s05     0.434
+    (2, 8) 1x32768      2.010 / 1.755    2.154 / 1.898    0.93x         1.129
+    (16, 64) 1x32768    12.132 / 10.939  12.895 / 11.803  0.94x         7.433
+    (16, 64) 8x4096     12.031 / 10.974  12.901 / 11.799  0.93x         5.423
+
+The fusion saved the HBM round trips (about 0.69 ms of bytes at (16, 64), above) and a launch, and
+still lost 0.8-0.9 ms at (16, 64). Not measured yet is where (``profiles/bwd_breakdown_lab.py`` on
+this row, then Nsight Compute on the kernel); the likely causes, from its build: one CTA of 8 warps
+an SM runs part A and part B of every value head back to back, so nothing hides a product's or a
+load's latency behind another CTA's, as the two kernels' grids did with their loads and stores
+between launches; and the loop's descriptor reloads at 255 registers. Checked
+(one H100, c8873d0): ``tests/test_stages.py -k "gdn_bwd and s06" -m gpu`` passes on the 24 public
+problems, and dq, dv and dh0 are bitwise s05's on each of them (``tests/test_one_gradient_kernel.py
+-k bitwise_s05 -m gpu``); the bench checked every timed row against float64 first. Not run yet:
+the rest of ``tests/test_one_gradient_kernel.py -m gpu`` (beta = 0, flagged chunks, determinism,
+graph replay).
 
 Taught in: not taught (lab log).
 """
