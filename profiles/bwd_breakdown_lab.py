@@ -9,17 +9,21 @@ On the GPU machine, from the project root:
         --problems "(16, 64) 8x4096" "(2, 8) 1x32768"
 
 For each (row, problem): three untimed steps, then STEPS steps under torch.profiler (CUDA activity
-only); every kernel's device time summed over them and divided by STEPS: milliseconds a step, and
-launches a step. The upstream gradients are the bench's (``bench.input_sets``' first set: random
-do and dht), so no fill or accumulation kernel of the lab's own enters the rows. Writes
+and CPU activity); every kernel's device time summed over them and divided by STEPS: milliseconds
+a step, and launches a step. Before the profile, the wall time of STEPS back-to-back eager steps
+(one synchronization at the end) over STEPS, ``eager_ms``: where it exceeds the kernels' sum, the
+host is the bound, and the run prints the host operations with the most self CPU time a step.
+The upstream gradients are the bench's (``bench.input_sets``' first set: random do and dht), so
+no fill or accumulation kernel of the lab's own enters the rows. Writes
 ``profiles/results/bwd_breakdown.csv`` (or ``--csv``): problem, row, kernel, ms a step, launches a
-step, the step's kernel total, and the bench's provenance columns. Profiler times are each
+step, the step's kernel total, eager_ms, and the bench's provenance columns. Profiler times are each
 kernel's own duration, back to back; gaps between kernels are not in them, so a row's total is at
 most its CUDA-graph step time (``gdn_train.csv``)."""
 
 import argparse
 import collections
 import csv
+import time
 from pathlib import Path
 
 import torch
@@ -30,7 +34,7 @@ from flashqla.testing import Problem
 
 STEPS = 5
 RESULTS = Path(__file__).resolve().parent / "results" / "bwd_breakdown.csv"
-COLUMNS = ("problem", "row", "kernel", "ms", "launches", "step_kernels_ms")
+COLUMNS = ("problem", "row", "kernel", "ms", "launches", "step_kernels_ms", "eager_ms")
 
 
 def per_kernel(events, steps: int) -> list[tuple[str, float, int]]:
@@ -43,16 +47,32 @@ def per_kernel(events, steps: int) -> list[tuple[str, float, int]]:
     return [(name, us / 1e3 / steps, count[name] // steps) for name, us in total.most_common()]
 
 
-def breakdown(step, x: dict) -> list[tuple[str, float, int]]:
-    """``per_kernel`` of STEPS calls of ``step(x)``, after three untimed ones."""
+def host_ops(events, steps: int, top: int = 8) -> list[tuple[str, float]]:
+    """(host operation, self CPU ms a step) of the CPU events, the ``top`` largest."""
+    total = collections.Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            total[e.name] += e.self_cpu_time_total
+    return [(name, us / 1e3 / steps) for name, us in total.most_common(top)]
+
+
+def breakdown(step, x: dict) -> tuple[list[tuple[str, float, int]], float, list[tuple[str, float]]]:
+    """(``per_kernel``, eager ms a step, ``host_ops``) of STEPS calls of ``step(x)``, after three
+    untimed ones."""
     for _ in range(3):
         step(x)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step(x)
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - start) * 1e3 / STEPS
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             step(x)
         torch.cuda.synchronize()
-    return per_kernel(prof.events(), STEPS)
+    events = prof.events()
+    return per_kernel(events, STEPS), eager, host_ops(events, STEPS)
 
 
 def main(argv=None) -> None:
@@ -72,13 +92,15 @@ def main(argv=None) -> None:
         H, HV, lengths = bench.heads_and_lengths(label)
         x = bench.input_sets(Problem(H, HV, tuple(lengths)), 0, training=True)[0]
         for name in args.rows:
-            kernels = breakdown(rows[name], x)
+            kernels, eager, host = breakdown(rows[name], x)
             step_ms = round(sum(ms for _, ms, _ in kernels), 3)
-            print(f"## {label}  {name}: {step_ms} ms of kernels a step", flush=True)
+            print(f"## {label}  {name}: {step_ms} ms of kernels a step, {eager:.3f} ms eager", flush=True)
             for kernel, ms, n in kernels:
                 print(f"  {ms:8.3f} ms  x{n}  {kernel[:90]}")
                 out.append(dict(problem=label, row=name, kernel=kernel, ms=round(ms, 4), launches=n,
-                                step_kernels_ms=step_ms, **meta))
+                                step_kernels_ms=step_ms, eager_ms=round(eager, 3), **meta))
+            if eager > step_ms:
+                print("  host, self CPU ms a step (profiled):", "; ".join(f"{n[:50]} {ms:.3f}" for n, ms in host))
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(out[0]))

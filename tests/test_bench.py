@@ -843,7 +843,8 @@ def _breakdown_lab():
 
 def test_breakdown_lab_sums_each_kernel_per_step_and_names_unknown_rows():
     """profiles/bwd_breakdown_lab.py: CUDA events summed per kernel name over the profiled steps and
-    divided by their count, largest first, CPU events left out; an unknown row is refused by name
+    divided by their count, largest first, CPU events left out (and the host's operations the same
+    way, CUDA events left out); an unknown row is refused by name
     before anything touches a GPU."""
     lab = _breakdown_lab()
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -851,5 +852,8 @@ def test_breakdown_lab_sums_each_kernel_per_step_and_names_unknown_rows():
     events = [ev("walk", 3000), ev("walk", 3400), ev("wy_bwd", 2000), ev("wy_bwd", 2200),
               ev("walk", 1e6, cpu), ev("finish", 300)]
     assert lab.per_kernel(events, 2) == [("walk", 3.2, 1), ("wy_bwd", 2.1, 1), ("finish", 0.15, 0)]
+    host = [types.SimpleNamespace(name=n, self_cpu_time_total=us, device_type=cpu)
+            for n, us in (("aten::empty", 40), ("launch", 900), ("aten::empty", 60))]
+    assert lab.host_ops(host + [e for e in events if e.device_type == cuda], 2) == [("launch", 0.45), ("aten::empty", 0.05)]
     with pytest.raises(ValueError, match="not training rows"):
         lab.main(["--commit", "abc", "--rows", "fwd + gdn_bwd/s99_nothing"])
