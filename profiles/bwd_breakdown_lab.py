@@ -100,7 +100,8 @@ def main(argv=None) -> None:
                 out.append(dict(problem=label, row=name, kernel=kernel, ms=round(ms, 4), launches=n,
                                 step_kernels_ms=step_ms, eager_ms=round(eager, 3), **meta))
             if eager > step_ms:
-                print("  host, self CPU ms a step (profiled):", "; ".join(f"{n[:50]} {ms:.3f}" for n, ms in host))
+                top = "; ".join(f"{op[:50]} {ms:.3f}" for op, ms in host)
+                print(f"  host, self CPU ms a step (profiled): {top}")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(out[0]))
