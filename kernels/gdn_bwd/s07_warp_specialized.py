@@ -1,0 +1,383 @@
+"""gdn_bwd, stage 07: s04's fused reverse kernel warp-specialized: the dS chain runs ahead.
+
+DOCSTRING: written at the end (see the report).
+"""
+
+import functools
+
+import torch
+
+from flashqla.hopper import compile_hopper
+from flashqla.nvtx import nvtx_range
+from flashqla.stages import load
+
+NEEDS = ("hopper",)
+# gdn_bwd_ws_reverse: the new kernel; warpgroup_reg_alloc / _dealloc: its setmaxnreg budgets;
+# tma_load: the producer's ring; mbarrier_wait_parity: the roles' hand-offs
+SOURCE_MUST_CONTAIN = ("gdn_bwd_ws_reverse", "warpgroup_reg_alloc", "warpgroup_reg_dealloc",
+                       "tma_load", "mbarrier_wait_parity")
+
+S04 = load("gdn_bwd", 4)         # prep, plan, segment states and gradients, forward walk, finish
+S02, S03 = S04.S02, S04.S03
+CHUNK_SIZE = S04.CHUNK_SIZE      # C = 64
+HEAD_DIM = S04.HEAD_DIM          # K = V = 128
+BV = S04.BV                      # 64 value columns a CTA, as s04 (the finish sums NVT parts)
+NVT = S04.NVT
+LOG2E = 1.4426950408889634
+DEFAULT_SHAPE = {"H": 16, "HV": 32}
+
+# ---- warp roles, in thread order (one if / elif chain: see gdn_fwd.s05)
+WARPGROUP = 128
+CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: dS' in fp32 registers, dV~ and the dS step
+GRAD_END = 3 * WARPGROUP    # [128, 384) gradients: dq, dk, dW, dv, dbeta, dg of the chunk behind
+THREADS = 4 * WARPGROUP     # [384, 512) producer: TMA of the rings, the gates and beta
+GRAD_THREADS = GRAD_END - CHAIN_END
+# ---- register budgets (setmaxnreg, per thread): 512 threads start with 128 each
+REGS_CHAIN = 136      # dS' (64 fp32 a thread), one 64 x 64 product (32)
+REGS_GRAD = 176       # dk (32), the 64 x K products (32), two or three 64 x 64 (16 each)
+REGS_PRODUCER = 24    # addresses
+assert REGS_CHAIN * WARPGROUP + REGS_GRAD * GRAD_THREADS + REGS_PRODUCER * WARPGROUP <= 65536
+# ---- buffering
+STAGES = 2            # ring A (q, k, w, dO, g): read by the chain at chunk it, the gradients at it - 1
+
+
+def ws_reverse_kernel(H: int, HV: int):
+    """Per (row, value head, BV value columns): s04's fused reverse, its chunks backwards, with the
+    dS chain, the gradients and the loads in three warp roles (the module doc)."""
+    import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
+
+    BT, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
+    group = HV // H
+    num_tokens = T.dynamic("num_tokens")
+    num_bounds = T.dynamic("num_bounds")      # rows + 1
+    num_rows = T.dynamic("num_rows")          # rows of h (the chunk table's)
+    num_ht = T.dynamic("num_ht")              # rows, or 1 (unread) without dht
+    num_dh0 = T.dynamic("num_dh0")            # rows, or 1 (unwritten) without dh0
+
+    @T.prim_func
+    def gdn_bwd_ws_reverse(
+        q: T.Tensor((num_tokens, H, K), "bfloat16"),           # [B*T, H, K], sequences packed
+        k: T.Tensor((num_tokens, H, K), "bfloat16"),
+        v: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        w: T.Tensor((num_tokens, HV, K), "bfloat16"),          # Ai diag(beta exp g) K
+        v_new: T.Tensor((num_tokens, HV, V), "bfloat16"),      # V~ = U - W S
+        do: T.Tensor((num_tokens, HV, V), "bfloat16"),         # dL/do
+        Ai: T.Tensor((num_tokens, HV, BT), "bfloat16"),        # row (t mod C) of FLA's gated T
+        g_cum: T.Tensor((num_tokens, HV), "float32"),          # chunk-local cumsum of g
+        beta: T.Tensor((num_tokens, HV), "float32"),
+        h: T.Tensor((num_rows, HV, K, V), "bfloat16"),         # state entering each chunk
+        bounds: T.Tensor((num_bounds,), "int32"),              # token offsets of the rows
+        first_chunk: T.Tensor((num_bounds,), "int32"),         # h row of each row's chunk 0
+        dht: T.Tensor((num_ht, HV, K, V), "float32"),          # dL/d final state of each row
+        use_dht: T.int32,
+        scale: T.float32,
+        dq_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),  # parts: the finish sums them
+        dk_p: T.Tensor((NVT, num_tokens, HV, K), "bfloat16"),
+        dv: T.Tensor((num_tokens, HV, V), "bfloat16"),
+        dbeta_p: T.Tensor((NVT, num_tokens, HV), "float32"),
+        dg_p: T.Tensor((NVT, num_tokens, HV), "float32"),
+        dh0: T.Tensor((num_dh0, HV, K, V), "float32"),         # dL/d initial state of each row
+        store_dh0: T.int32,
+    ):
+        with T.Kernel(num_bounds - 1, HV, NVT, threads=THREADS) as (i_n, i_hv, i_v):
+            i_h = i_hv // group
+            v0 = i_v * BV
+            # scalars held in variables (TileLang would inline each expression at every use)
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            num_c = T.alloc_var("int32")
+            t0 = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            bos = bounds[i_n]
+            eos = bounds[i_n + 1]
+            num_c = T.ceildiv(eos - bos, BT)
+
+            # ring A, STAGES slots (producer -> chain and gradients): the tiles both read
+            q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # Q; the gradients: then -diag(exp g) K
+            k_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
+            w_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # W (chain); the gradients: then dW
+            do_s = T.alloc_shared((STAGES, BT, BV), "bfloat16")
+            g_s = T.alloc_shared((STAGES, BT), "float32")          # log2(e) g_cum, rows >= n: the last real
+            # ring B, one slot (producer -> gradients): the tiles only the gradients read
+            vn_s = T.alloc_shared((BT, BV), "bfloat16")            # V~
+            v_s = T.alloc_shared((BT, BV), "bfloat16")             # V
+            ai_s = T.alloc_shared((BT, BT), "bfloat16")
+            h_s = T.alloc_shared((K, BV), "bfloat16")              # S = h[chunk]
+            b_s = T.alloc_shared((BT,), "float32")                 # beta, rows >= n: 0
+            # hand-offs (chain -> gradients)
+            ds_s = T.alloc_shared((K, BV), "bfloat16")             # dS' in bf16: the chain's operand too
+            ndv_s = T.alloc_shared((BT, BV), "bfloat16")           # -dV~, rows >= n zero
+            # the chain's own operands
+            dop_s = T.alloc_shared((BT, BV), "bfloat16")           # dO' = scale diag(exp g) dO, rows < n
+            pt_s = T.alloc_shared((BT, BT), "bfloat16")            # P^T
+            # the gradients' own
+            p_s = T.alloc_shared((BT, BT), "bfloat16")             # dP, then dAi, then D = diag(beta) dA~
+            d_s = T.alloc_shared((BT, BT), "bfloat16")             # M = dAi Ai^T
+            rows_s = T.alloc_shared((10, BT), "float32")           # row sums (no fragment held across
+            #                                                        products): r_ki r_s r_q r_kk r_e r_et r_k r_v,
+            #                                                        then dg_cum's dqkwg terms, dg_C's terms
+            cum_s = T.alloc_shared((BT,), "float32")               # dg_cum, then its reverse cumsum
+            dg_last = T.alloc_local((1,), "float32")
+            # chain registers
+            s_f = T.alloc_fragment((K, BV), "float32")             # dS', fp32, all along
+            y_f = T.alloc_fragment((BT, BV), "float32")            # K Q^T, then K dS', then dV~ (BV = BT)
+            # gradient registers
+            dk_f = T.alloc_fragment((BT, K), "float32")            # dk of the chunk (this block's part)
+            x_f = T.alloc_fragment((BT, K), "float32")             # the other 64 x K products
+            e_f = T.alloc_fragment((BT, BT), "float32")            # the 64 x 64 products (BV = BT)
+            kk_f = T.alloc_fragment((BT, BT), "float32")           # K K^T (symmetric)
+            r_ki = T.alloc_fragment((BT,), "float32")
+            r_s = T.alloc_fragment((BT,), "float32")
+            r_q = T.alloc_fragment((BT,), "float32")
+            r_kk = T.alloc_fragment((BT,), "float32")
+            r_e = T.alloc_fragment((BT,), "float32")
+            r_et = T.alloc_fragment((BT,), "float32")
+            r_k = T.alloc_fragment((BT,), "float32")
+            r_v = T.alloc_fragment((BT,), "float32")
+
+            # ---- mbarriers, named for what they guard; arrive counts: each arriving thread once
+            bar_a_loaded = T.alloc_barrier([WARPGROUP] * STAGES)           # ring A slot filled (+ TMA bytes)
+            bar_a_free = T.alloc_barrier([WARPGROUP + GRAD_THREADS] * STAGES)  # chain and gradients done with it
+            bar_b_loaded = T.alloc_barrier([WARPGROUP])                    # ring B filled (+ TMA bytes)
+            bar_b_free = T.alloc_barrier([GRAD_THREADS])                   # gradients done with ring B
+            bar_ds_ready = T.alloc_barrier([WARPGROUP])                    # dS' snapshot published
+            bar_ds_free = T.alloc_barrier([GRAD_THREADS])                  # gradients done reading it
+            bar_dv_ready = T.alloc_barrier([WARPGROUP])                    # -dV~ published (W read)
+            bar_dv_free = T.alloc_barrier([GRAD_THREADS])                  # gradients done reading it
+
+            tx = T.get_thread_binding()
+            if tx < CHAIN_END:  # ---- the chain warpgroup: the critical path, nothing else
+                T.set_max_nreg(REGS_CHAIN, 1)
+                if use_dht != 0:
+                    T.copy(dht[i_n, i_hv, :, v0:v0 + BV], s_f)
+                else:
+                    T.clear(s_f)
+                for it in T.serial(num_c):
+                    st = it % STAGES
+                    n = T.min(eos - (bos + (num_c - 1 - it) * BT), BT)   # real rows of the chunk
+                    T.barrier_wait(bar_a_loaded[st], (it // STAGES) % 2)
+                    # dS' (bf16) -> the snapshot: the gradients' operand and the chain's K dS'
+                    T.barrier_wait(bar_ds_free, it % 2 ^ 1)
+                    T.copy(s_f, ds_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_ds_ready)
+                    # dO' <- scale diag(exp g) dO, rows >= n zero (the TMA box reads past them)
+                    for i, j in T.Parallel(BT, BV):
+                        dop_s[i, j] = T.if_then_else(i < n, do_s[st, i, j] * (scale * T.exp2(g_s[st, i])), 0)
+                    # P^T[j, i] <- scale (K Q^T)[j, i] exp(g_i - g_j), j <= i < n (exponent clamped: no inf)
+                    T.gemm(k_s[st, :, :], q_s[st, :, :], y_f, transpose_B=True, clear_accum=True)
+                    for j, i in T.Parallel(BT, BT):
+                        pt_s[j, i] = T.if_then_else((j <= i) & (i < n),
+                                                    scale * y_f[j, i] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0)), 0)
+                    # X <- K dS';  dS <- exp(g_C) dS' + Q^T dO'
+                    T.gemm(k_s[st, :, :], ds_s, y_f, clear_accum=True)
+                    for d, j in T.Parallel(K, BV):
+                        s_f[d, j] = s_f[d, j] * T.exp2(g_s[st, BT - 1])
+                    T.gemm(q_s[st, :, :], dop_s, s_f, transpose_A=True)
+                    # dV~ <- diag(exp(g_C - g)) X + P^T dO
+                    for i, j in T.Parallel(BT, BV):
+                        y_f[i, j] = y_f[i, j] * T.exp2(g_s[st, BT - 1] - g_s[st, i])
+                    T.gemm(pt_s, do_s[st, :, :], y_f)
+                    # -dV~ (bf16, rows >= n zero), once the gradients read the last;  dS <- dS + W^T (-dV~)
+                    T.barrier_wait(bar_dv_free, it % 2 ^ 1)
+                    for i, j in T.Parallel(BT, BV):
+                        ndv_s[i, j] = T.if_then_else(i < n, -y_f[i, j], 0)
+                    T.gemm(w_s[st, :, :], ndv_s, s_f, transpose_A=True)
+                    # W is read: the gradients may write dW into its slot
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_dv_ready)
+                    T.barrier_arrive(bar_a_free[st])
+                # dh0 of the row <- dS (a row without chunks: dht)
+                if store_dh0 != 0:
+                    T.copy(s_f, dh0[i_n, i_hv, :, v0:v0 + BV])
+
+            elif tx >= CHAIN_END and tx < GRAD_END:  # ---- the gradient warpgroups, a chunk behind
+                T.set_max_nreg(REGS_GRAD, 1)
+                for it in T.serial(num_c):
+                    st = it % STAGES
+                    t0 = bos + (num_c - 1 - it) * BT
+                    n = T.min(eos - t0, BT)
+                    T.barrier_wait(bar_a_loaded[st], (it // STAGES) % 2)
+                    T.barrier_wait(bar_b_loaded, it % 2)
+                    T.barrier_wait(bar_ds_ready, it % 2)
+                    # dk <- diag(exp(g_C - g)) V~ dS'^T (rows < n);  r_ki <- rows of dk * K
+                    T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(BT, K):
+                        dk_f[i, d] = T.if_then_else(i < n, dk_f[i, d] * T.exp2(g_s[st, BT - 1] - g_s[st, i]), 0)
+                    for i, d in T.Parallel(BT, K):
+                        x_f[i, d] = dk_f[i, d] * k_s[st, i, d]
+                    T.reduce_sum(x_f, r_ki, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[0, i] = r_ki[i]
+                    # r_s <- rows of S * dS' (rows d and d + 64 paired): <S, dS'> = sum r_s
+                    for i, j in T.Parallel(BT, BV):
+                        e_f[i, j] = (T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
+                                     + T.cast(h_s[i + BT, j], "float32") * T.cast(ds_s[i + BT, j], "float32"))
+                    T.reduce_sum(e_f, r_s, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[1, i] = r_s[i]
+                    T.barrier_arrive(bar_ds_free)
+                    # dP <- scale (dO V~^T * Gamma), c <= i < n
+                    T.gemm(do_s[st, :, :], vn_s, e_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        p_s[i, j] = T.if_then_else((j <= i) & (i < n),
+                                                   scale * e_f[i, j] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0)), 0)
+                    # dq <- scale diag(exp g) dO S^T + dP K;  r_q <- rows of dq * Q
+                    T.gemm(do_s[st, :, :], h_s, x_f, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(BT, K):
+                        x_f[i, d] = x_f[i, d] * (scale * T.exp2(g_s[st, i]))
+                    T.gemm(p_s, k_s[st, :, :], x_f)
+                    for i, d in T.Parallel(BT, K):
+                        if i < n:
+                            dq_p[i_v, t0 + i, i_hv, d] = x_f[i, d]
+                    for i, d in T.Parallel(BT, K):
+                        x_f[i, d] = x_f[i, d] * q_s[st, i, d]
+                    T.reduce_sum(x_f, r_q, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[2, i] = r_q[i]
+                    # dk += dP^T Q;  r_kk <- rows of dk * K
+                    T.gemm(p_s, q_s[st, :, :], dk_f, transpose_A=True)
+                    for i, d in T.Parallel(BT, K):
+                        x_f[i, d] = dk_f[i, d] * k_s[st, i, d]
+                    T.reduce_sum(x_f, r_kk, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[3, i] = r_kk[i]
+                    # dg_cum's dqkwg terms q.dq - k.dk;  dg_C <- sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
+                    for i in T.Parallel(BT):
+                        rows_s[8, i] = rows_s[2, i] - rows_s[3, i]
+                        rows_s[9, i] = rows_s[0, i] + T.exp2(g_s[st, BT - 1]) * rows_s[1, i]
+                    dg_last[0] = 0
+                    for i in T.serial(BT):
+                        dg_last[0] = dg_last[0] + rows_s[9, i]
+
+                    # ---- the chain's -dV~ of this chunk
+                    T.barrier_wait(bar_dv_ready, it % 2)
+                    # dW <- (-dV~) S^T, into W's slot (the chain read W before publishing -dV~)
+                    T.gemm(ndv_s, h_s, x_f, transpose_B=True, clear_accum=True)
+                    T.copy(x_f, w_s[st, :, :])
+                    # Y <- Ai^T dV~ = -(Ai^T (-dV~));  dv <- diag(beta) Y;  r_v <- rows of Y * V
+                    T.gemm(ai_s, ndv_s, e_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BV):
+                        e_f[i, j] = -e_f[i, j]
+                    for i, j in T.Parallel(BT, BV):
+                        if i < n:
+                            dv[t0 + i, i_hv, v0 + j] = e_f[i, j] * b_s[i]
+                    for i, j in T.Parallel(BT, BV):
+                        e_f[i, j] = e_f[i, j] * v_s[i, j]
+                    T.reduce_sum(e_f, r_v, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[7, i] = r_v[i]
+                    # -diag(exp g) K into Q's slot (Q read for the last time above)
+                    for i, d in T.Parallel(BT, K):
+                        q_s[st, i, d] = -k_s[st, i, d] * T.exp2(g_s[st, i])
+                    # dAi <- (dW K^T) diag(beta exp g) + (dV~ V^T) diag(beta), strictly lower, rows < n:
+                    # the two products summed are -(dW (diag(exp g) K)^T + dV~ V^T), one accumulator
+                    T.gemm(w_s[st, :, :], q_s[st, :, :], e_f, transpose_B=True, clear_accum=True)
+                    T.gemm(ndv_s, v_s, e_f, transpose_B=True)
+                    T.barrier_arrive(bar_dv_free)  # -dV~ read for the last time: the chain may write the next
+                    for i, j in T.Parallel(BT, BT):
+                        p_s[i, j] = T.if_then_else((j < i) & (i < n), -b_s[j] * e_f[i, j], 0)
+                    # M <- dAi Ai^T
+                    T.gemm(p_s, ai_s, e_f, transpose_B=True, clear_accum=True)
+                    T.copy(e_f, d_s)
+                    # K K^T (fp32: the factor of E, not rounded)
+                    T.gemm(k_s[st, :, :], k_s[st, :, :], kk_f, transpose_B=True, clear_accum=True)
+                    # dA~ <- -(Ai^T M) * Gamma, strictly lower, rows < n;  D <- diag(beta) dA~ (over dAi,
+                    # read);  E <- dA~ * K K^T;  r_e <- rows of E
+                    T.gemm(ai_s, d_s, e_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        e_f[i, j] = T.if_then_else((j < i) & (i < n),
+                                                   -e_f[i, j] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0)), 0)
+                    for i, j in T.Parallel(BT, BT):
+                        p_s[i, j] = b_s[i] * e_f[i, j]
+                    for i, j in T.Parallel(BT, BT):
+                        e_f[i, j] = e_f[i, j] * kk_f[i, j]
+                    T.reduce_sum(e_f, r_e, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[4, i] = r_e[i]
+                    # (diag(beta) E)^T[j, i] = beta_i dA~[i, j] (K K^T)[j, i]  (K K^T symmetric), with
+                    # dA~^T = -(M^T Ai) * Gamma^T;  r_et <- its rows (the columns of diag(beta) E, no
+                    # transpose through memory)
+                    T.gemm(d_s, ai_s, e_f, transpose_A=True, clear_accum=True)
+                    for j, i in T.Parallel(BT, BT):
+                        e_f[j, i] = T.if_then_else((j < i) & (i < n),
+                                                   -e_f[j, i] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0))
+                                                   * kk_f[j, i] * b_s[i], 0)
+                    T.reduce_sum(e_f, r_et, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[5, i] = r_et[i]
+                    # X <- Ai^T dW;  r_k <- rows of X * K;  dk += diag(beta exp g) X
+                    T.gemm(ai_s, w_s[st, :, :], x_f, transpose_A=True, clear_accum=True)
+                    for i, d in T.Parallel(BT, K):
+                        dk_f[i, d] = dk_f[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[st, i]))
+                        x_f[i, d] = x_f[i, d] * k_s[st, i, d]
+                    T.reduce_sum(x_f, r_k, dim=1)
+                    for i in T.Parallel(BT):
+                        rows_s[6, i] = r_k[i]
+                    # dk += D K + D^T K
+                    T.gemm(p_s, k_s[st, :, :], dk_f)
+                    T.gemm(p_s, k_s[st, :, :], dk_f, transpose_A=True)
+                    for i, d in T.Parallel(BT, K):
+                        if i < n:
+                            dk_p[i_v, t0 + i, i_hv, d] = dk_f[i, d]
+
+                    # dbeta <- exp(g) r_k + r_v + r_e;  dg_cum <- the dqkwg terms (+ dg_C at the last
+                    # real row) + beta (exp(g) r_k + r_e) - r_et;  dg <- its reverse cumsum in the chunk
+                    for i in T.Parallel(BT):
+                        if i < n:
+                            dbeta_p[i_v, t0 + i, i_hv] = (T.exp2(g_s[st, i]) * rows_s[6, i] + rows_s[7, i]
+                                                          + rows_s[4, i])
+                        cum_s[i] = T.if_then_else(
+                            i < n,
+                            rows_s[8, i] + T.if_then_else(i == n - 1, dg_last[0], 0)
+                            + b_s[i] * (T.exp2(g_s[st, i]) * rows_s[6, i] + rows_s[4, i]) - rows_s[5, i], 0)
+                    T.cumsum(cum_s, dim=0, reverse=True)
+                    for i in T.Parallel(BT):
+                        if i < n:
+                            dg_p[i_v, t0 + i, i_hv] = cum_s[i]
+                    # every read of the chunk's slots is done (and dW, -diag(exp g) K written
+                    # into ring A by the generic proxy, before the producer's TMA overwrites them)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_b_free)
+                    T.barrier_arrive(bar_a_free[st])
+
+            elif tx >= GRAD_END:  # ---- the producer warpgroup: full 64-row boxes (rows >= n masked by use)
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                for it in T.serial(num_c):
+                    st = it % STAGES
+                    t0 = bos + (num_c - 1 - it) * BT
+                    n = T.min(eos - t0, BT)
+                    # ring A slot st, once the chain and the gradients are done with chunk it - STAGES
+                    T.barrier_wait(bar_a_free[st], (it // STAGES) % 2 ^ 1)
+                    T.tma_copy(q[t0:t0 + BT, i_h, :], q_s[st, :, :], barrier=bar_a_loaded[st])
+                    T.tma_copy(k[t0:t0 + BT, i_h, :], k_s[st, :, :], barrier=bar_a_loaded[st])
+                    T.tma_copy(w[t0:t0 + BT, i_hv, :], w_s[st, :, :], barrier=bar_a_loaded[st])
+                    T.tma_copy(do[t0:t0 + BT, i_hv, v0:v0 + BV], do_s[st, :, :], barrier=bar_a_loaded[st])
+                    for i in T.Parallel(BT):
+                        g_s[st, i] = g_cum[t0 + T.min(i, n - 1), i_hv] * LOG2E
+                    T.barrier_arrive(bar_a_loaded[st])
+                    # ring B, once the gradients are done with chunk it - 1
+                    T.barrier_wait(bar_b_free, it % 2 ^ 1)
+                    T.tma_copy(v_new[t0:t0 + BT, i_hv, v0:v0 + BV], vn_s, barrier=bar_b_loaded)
+                    T.tma_copy(v[t0:t0 + BT, i_hv, v0:v0 + BV], v_s, barrier=bar_b_loaded)
+                    T.tma_copy(Ai[t0:t0 + BT, i_hv, :], ai_s, barrier=bar_b_loaded)
+                    T.tma_copy(h[first_chunk[i_n] + num_c - 1 - it, i_hv, :, v0:v0 + BV], h_s,
+                               barrier=bar_b_loaded)
+                    for i in T.Parallel(BT):
+                        b_s[i] = T.if_then_else(i < n, beta[t0 + T.min(i, n - 1), i_hv], 0)
+                    T.barrier_arrive(bar_b_loaded)
+
+    return gdn_bwd_ws_reverse
+
+
+@functools.cache
+def _ws_reverse(H: int, HV: int):
+    # no shared-memory reuse: the planner would treat the role branches as sequential (gdn_fwd.s05);
+    # fast math: each exp2 one ex2.approx
+    return compile_hopper(ws_reverse_kernel(H, HV), {"tl.disable_shared_memory_reuse": True,
+                                                     "tl.enable_fast_math": True})
+
+
+def kernel_source() -> str:
+    """The CUDA C++ of this stage's new kernel, generated for sm_90a at the default shape."""
+    return _ws_reverse(**DEFAULT_SHAPE).get_kernel_source()
