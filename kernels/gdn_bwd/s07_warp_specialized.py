@@ -7,9 +7,11 @@ import functools
 
 import torch
 
+from flashqla import autocp
 from flashqla.hopper import compile_hopper
 from flashqla.nvtx import nvtx_range
 from flashqla.stages import load
+from flashqla.varlen import chunk_table, seq_bounds
 
 NEEDS = ("hopper",)
 # gdn_bwd_ws_reverse: the new kernel; warpgroup_reg_alloc / _dealloc: its setmaxnreg budgets;
@@ -137,9 +139,8 @@ def ws_reverse_kernel(H: int, HV: int):
 
             # ---- mbarriers, named for what they guard; arrive counts: each arriving thread once
             bar_a_loaded = T.alloc_barrier([WARPGROUP] * STAGES)           # ring A slot filled (+ TMA bytes)
-            bar_a_free = T.alloc_barrier([WARPGROUP + GRAD_THREADS] * STAGES)  # chain and gradients done with it
             bar_b_loaded = T.alloc_barrier([WARPGROUP])                    # ring B filled (+ TMA bytes)
-            bar_b_free = T.alloc_barrier([GRAD_THREADS])                   # gradients done with ring B
+            bar_grad_done = T.alloc_barrier([GRAD_THREADS])                # gradients done with a chunk: ring B, its ring A slot
             bar_ds_ready = T.alloc_barrier([WARPGROUP])                    # dS' snapshot published
             bar_ds_free = T.alloc_barrier([GRAD_THREADS])                  # gradients done reading it
             bar_dv_ready = T.alloc_barrier([WARPGROUP])                    # -dV~ published (W read)
@@ -186,7 +187,6 @@ def ws_reverse_kernel(H: int, HV: int):
                     # W is read: the gradients may write dW into its slot
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_dv_ready)
-                    T.barrier_arrive(bar_a_free[st])
                 # dh0 of the row <- dS (a row without chunks: dht)
                 if store_dh0 != 0:
                     T.copy(s_f, dh0[i_n, i_hv, :, v0:v0 + BV])
@@ -335,11 +335,10 @@ def ws_reverse_kernel(H: int, HV: int):
                     for i in T.Parallel(BT):
                         if i < n:
                             dg_p[i_v, t0 + i, i_hv] = cum_s[i]
-                    # every read of the chunk's slots is done (and dW, -diag(exp g) K written
-                    # into ring A by the generic proxy, before the producer's TMA overwrites them)
+                    # every read of the chunk's ring A slot and ring B is done (and dW, -diag(exp g) K
+                    # written into ring A by the generic proxy, before the producer's TMA overwrites them)
                     T.fence_proxy_async()
-                    T.barrier_arrive(bar_b_free)
-                    T.barrier_arrive(bar_a_free[st])
+                    T.barrier_arrive(bar_grad_done)
 
             elif tx >= GRAD_END:  # ---- the producer warpgroup: full 64-row boxes (rows >= n masked by use)
                 T.set_max_nreg(REGS_PRODUCER, 0)
@@ -347,8 +346,9 @@ def ws_reverse_kernel(H: int, HV: int):
                     st = it % STAGES
                     t0 = bos + (num_c - 1 - it) * BT
                     n = T.min(eos - t0, BT)
-                    # ring A slot st, once the chain and the gradients are done with chunk it - STAGES
-                    T.barrier_wait(bar_a_free[st], (it // STAGES) % 2 ^ 1)
+                    # ring A slot st: its last readers, the gradients at chunk it - 2 (after the chain,
+                    # whose -dV~ they waited for), arrived on bar_grad_done before ring B's load of
+                    # chunk it - 1 below, in this loop's previous iteration: no barrier of its own
                     T.tma_copy(q[t0:t0 + BT, i_h, :], q_s[st, :, :], barrier=bar_a_loaded[st])
                     T.tma_copy(k[t0:t0 + BT, i_h, :], k_s[st, :, :], barrier=bar_a_loaded[st])
                     T.tma_copy(w[t0:t0 + BT, i_hv, :], w_s[st, :, :], barrier=bar_a_loaded[st])
@@ -357,7 +357,7 @@ def ws_reverse_kernel(H: int, HV: int):
                         g_s[st, i] = g_cum[t0 + T.min(i, n - 1), i_hv] * LOG2E
                     T.barrier_arrive(bar_a_loaded[st])
                     # ring B, once the gradients are done with chunk it - 1
-                    T.barrier_wait(bar_b_free, it % 2 ^ 1)
+                    T.barrier_wait(bar_grad_done, it % 2 ^ 1)
                     T.tma_copy(v_new[t0:t0 + BT, i_hv, v0:v0 + BV], vn_s, barrier=bar_b_loaded)
                     T.tma_copy(v[t0:t0 + BT, i_hv, v0:v0 + BV], v_s, barrier=bar_b_loaded)
                     T.tma_copy(Ai[t0:t0 + BT, i_hv, :], ai_s, barrier=bar_b_loaded)
@@ -381,3 +381,82 @@ def _ws_reverse(H: int, HV: int):
 def kernel_source() -> str:
     """The CUDA C++ of this stage's new kernel, generated for sm_90a at the default shape."""
     return _ws_reverse(**DEFAULT_SHAPE).get_kernel_source()
+
+
+def run(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+        chunk_size=CHUNK_SIZE, cp=None):
+    """(dq, dk [B, T, H, K] bf16, dv [B, T, HV, V] bf16, dg, dbeta [B, T, HV] fp32, dh0
+    [N, HV, K, V] fp32 or None); see the module doc. ``cp``: as s03's (None: its rule; False:
+    one row per sequence; True: its cheapest split; an int: the segment length in chunks)."""
+    if chunk_size != CHUNK_SIZE:
+        raise ValueError(f"gdn_bwd.s07: `chunk_size` must be {CHUNK_SIZE}; got {chunk_size}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K != HEAD_DIM:
+        raise ValueError(f"gdn_bwd.s07: `q` must have head dim K = {HEAD_DIM}; got K = {K}")
+    if V != HEAD_DIM:
+        raise ValueError(f"gdn_bwd.s07: `v` must have head dim V = {HEAD_DIM}; got V = {V}")
+    if HV % H:
+        raise ValueError(f"gdn_bwd.s07: `v` must have a number of value heads HV that is a "
+                         f"multiple of the H = {H} heads of q; got HV = {HV}")
+    if not (cp is None or isinstance(cp, int)):
+        raise ValueError(f"gdn_bwd.s07: `cp` must be None, True, False or a segment length in chunks; got {cp!r}")
+    if B * T == 0:  # no tokens: every gradient is empty, and dL/dh0 = dht (s02's answer)
+        return S02.run(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, chunk_size)
+    device = q.device
+    scale = K ** -0.5 if scale is None else float(scale)
+    bf16 = {"device": device, "dtype": torch.bfloat16}
+    fp32 = {"device": device, "dtype": torch.float32}
+    q_flat, k_flat = (x.to(**bf16).contiguous().view(B * T, H, K) for x in (q, k))
+    v_flat, do_flat = (x.to(**bf16).contiguous().view(B * T, HV, V) for x in (v, do))
+    g_flat, beta_flat = (x.to(**fp32).contiguous().view(B * T, HV) for x in (g, beta))
+    seqs = seq_bounds(cu_seqlens, B, T, device)
+    table, first_chunk = chunk_table(cu_seqlens, B, T, CHUNK_SIZE, device)
+    N, NT = seqs.shape[0] - 1, table.shape[0]
+    p = S03.split_plan(cu_seqlens, B, T, HV, autocp.num_sms(device), device, cp)
+    stand_in = torch.empty(1, HV, K, V, **fp32)  # for an absent h0 / dht / dh0: never read or written
+    with nvtx_range("gdn_bwd.s07"):
+        # the forward's intermediates, recomputed: g_cum, Ai, w, u (s02's prep)
+        g_cum = torch.empty(B * T, HV, **fp32)
+        Ai = torch.empty(B * T, HV, CHUNK_SIZE, **bf16)
+        w = torch.empty(B * T, HV, K, **bf16)
+        u = torch.empty(B * T, HV, V, **bf16)
+        with nvtx_range("gdn_bwd.s07.prep"):
+            S02._prep(H, HV)(k_flat, v_flat, g_flat, beta_flat, table, g_cum, Ai, w, u)
+        if p is None:  # one row per sequence, from h0 and dht themselves
+            bounds, rows_first, S = seqs, first_chunk, N
+            h_rows = initial_state.to(**fp32).contiguous() if initial_state is not None else stand_in
+            dht_rows = dht.to(**fp32).contiguous() if dht is not None else stand_in
+            use_h0, use_dht = int(initial_state is not None), int(dht is not None)
+        else:  # the segment rows, from s03's segment states and gradients
+            bounds, rows_first, S = p.bounds, p.first_chunk, p.bounds.shape[0] - 1
+            h0 = (initial_state.to(**fp32).contiguous() if initial_state is not None
+                  else torch.zeros(N, HV, K, V, **fp32))
+            with nvtx_range("gdn_bwd.s07.segment_states"):
+                h_rows, solve = S03.segment_states(p, k_flat, v_flat, g_flat, beta_flat, h0, seqs, NT)
+            with nvtx_range("gdn_bwd.s07.segment_grads"):
+                dht_rows, _ = S03.segment_grads(p, q_flat, k_flat, w, do_flat, g_flat, beta_flat, g_cum,
+                                                solve, dht, seqs, scale)
+            use_h0, use_dht = 1, 1
+        h = torch.empty(NT, HV, K, V, **bf16)
+        v_new = torch.empty(B * T, HV, V, **bf16)
+        with nvtx_range("gdn_bwd.s07.fwd_walk"):
+            S04._fwd_walk(H, HV)(k_flat, w, u, g_cum, bounds, rows_first, h_rows, use_h0, h, v_new)
+        dq_p, dk_p = torch.empty(NVT, B * T, HV, K, **bf16), torch.empty(NVT, B * T, HV, K, **bf16)
+        dbeta_p, dg_p = torch.empty(NVT, B * T, HV, **fp32), torch.empty(NVT, B * T, HV, **fp32)
+        dv = torch.empty(B * T, HV, V, **bf16)
+        dh0_rows = torch.empty(S, HV, K, V, **fp32) if initial_state is not None else stand_in
+        with nvtx_range("gdn_bwd.s07.ws_reverse"):
+            _ws_reverse(H, HV)(q_flat, k_flat, v_flat, w, v_new, do_flat, Ai, g_cum, beta_flat, h, bounds,
+                          rows_first, dht_rows, use_dht, scale, dq_p, dk_p, dv, dbeta_p, dg_p, dh0_rows,
+                          int(initial_state is not None))
+        dq, dk = torch.empty(B * T, H, K, **bf16), torch.empty(B * T, H, K, **bf16)
+        dbeta, dg = torch.empty(B * T, HV, **fp32), torch.empty(B * T, HV, **fp32)
+        with nvtx_range("gdn_bwd.s07.finish"):
+            S04._finish(H, HV)(dq_p, dk_p, dbeta_p, dg_p, dq, dk, dbeta, dg)
+    if initial_state is None:
+        dh0 = None
+    else:
+        dh0 = dh0_rows if p is None else dh0_rows.index_select(0, p.row_of_slot[:N])
+    return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
+            dbeta.view(B, T, HV), dh0)
