@@ -84,15 +84,13 @@ def ws_reverse_kernel(H: int, HV: int):
         with T.Kernel(num_bounds - 1, HV, NVT, threads=THREADS) as (i_n, i_hv, i_v):
             i_h = i_hv // group
             v0 = i_v * BV
-            # scalars held in variables (TileLang would inline each expression at every use)
+            # scalars held in variables (TileLang would inline each expression at every use); each
+            # role reads its row's bounds itself (nothing held across setmaxnreg)
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             num_c = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
-            bos = bounds[i_n]
-            eos = bounds[i_n + 1]
-            num_c = T.ceildiv(eos - bos, BT)
 
             # ring A, STAGES slots (producer -> chain and gradients): the tiles both read
             q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # Q; the gradients: then -diag(exp g) K
@@ -115,18 +113,17 @@ def ws_reverse_kernel(H: int, HV: int):
             # the gradients' own
             p_s = T.alloc_shared((BT, BT), "bfloat16")             # dP, then dAi, then D = diag(beta) dA~
             d_s = T.alloc_shared((BT, BT), "bfloat16")             # M = dAi Ai^T
-            rows_s = T.alloc_shared((10, BT), "float32")           # row sums (no fragment held across
-            #                                                        products): r_ki r_s r_q r_kk r_e r_et r_k r_v,
-            #                                                        then dg_cum's dqkwg terms, dg_C's terms
+            rows_s = T.alloc_shared((2, BT), "float32")            # dg_cum's dqkwg terms, dg_C's terms
             cum_s = T.alloc_shared((BT,), "float32")               # dg_cum, then its reverse cumsum
             dg_last = T.alloc_local((1,), "float32")
             # chain registers
             s_f = T.alloc_fragment((K, BV), "float32")             # dS', fp32, all along
             y_f = T.alloc_fragment((BT, BV), "float32")            # K Q^T, then K dS', then dV~ (BV = BT)
-            # gradient registers
-            dk_f = T.alloc_fragment((BT, K), "float32")            # dk of the chunk (this block's part)
-            x_f = T.alloc_fragment((BT, K), "float32")             # the other 64 x K products
-            e_f = T.alloc_fragment((BT, BT), "float32")            # the 64 x 64 products (BV = BT)
+            # gradient registers: 64 x 64 tiles only (BV = BT; K-wide ones in two halves)
+            dk0_f = T.alloc_fragment((BT, BT), "float32")          # dk of the chunk (this block's part),
+            dk1_f = T.alloc_fragment((BT, BT), "float32")          # K columns 0..63 and 64..127
+            x_f = T.alloc_fragment((BT, BT), "float32")            # a half of a 64 x K product
+            e_f = T.alloc_fragment((BT, BT), "float32")            # the 64 x 64 products
             kk_f = T.alloc_fragment((BT, BT), "float32")           # K K^T (symmetric)
             r_ki = T.alloc_fragment((BT,), "float32")
             r_s = T.alloc_fragment((BT,), "float32")
@@ -149,6 +146,9 @@ def ws_reverse_kernel(H: int, HV: int):
             tx = T.get_thread_binding()
             if tx < CHAIN_END:  # ---- the chain warpgroup: the critical path, nothing else
                 T.set_max_nreg(REGS_CHAIN, 1)
+                bos = bounds[i_n]
+                eos = bounds[i_n + 1]
+                num_c = T.ceildiv(eos - bos, BT)
                 if use_dht != 0:
                     T.copy(dht[i_n, i_hv, :, v0:v0 + BV], s_f)
                 else:
@@ -193,6 +193,9 @@ def ws_reverse_kernel(H: int, HV: int):
 
             elif tx >= CHAIN_END and tx < GRAD_END:  # ---- the gradient warpgroups, a chunk behind
                 T.set_max_nreg(REGS_GRAD, 1)
+                bos = bounds[i_n]
+                eos = bounds[i_n + 1]
+                num_c = T.ceildiv(eos - bos, BT)
                 for it in T.serial(num_c):
                     st = it % STAGES
                     t0 = bos + (num_c - 1 - it) * BT
@@ -200,61 +203,58 @@ def ws_reverse_kernel(H: int, HV: int):
                     T.barrier_wait(bar_a_loaded[st], (it // STAGES) % 2)
                     T.barrier_wait(bar_b_loaded, it % 2)
                     T.barrier_wait(bar_ds_ready, it % 2)
+                    # dk's K columns in two halves hk (every 64 x K product as two 64 x 64 ones: one
+                    # fragment layout for all the role's tiles)
                     # dk <- diag(exp(g_C - g)) V~ dS'^T (rows < n);  r_ki <- rows of dk * K
-                    T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
-                    for i, d in T.Parallel(BT, K):
-                        dk_f[i, d] = T.if_then_else(i < n, dk_f[i, d] * T.exp2(g_s[st, BT - 1] - g_s[st, i]), 0)
-                    for i, d in T.Parallel(BT, K):
-                        x_f[i, d] = dk_f[i, d] * k_s[st, i, d]
-                    T.reduce_sum(x_f, r_ki, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[0, i] = r_ki[i]
+                    for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
+                        T.gemm(vn_s, ds_s[hk:hk + BT, :], dk_f, transpose_B=True, clear_accum=True)
+                        for i, d in T.Parallel(BT, BT):
+                            dk_f[i, d] = T.if_then_else(i < n, dk_f[i, d] * T.exp2(g_s[st, BT - 1] - g_s[st, i]), 0)
+                        for i, d in T.Parallel(BT, BT):
+                            x_f[i, d] = dk_f[i, d] * k_s[st, i, hk + d]
+                        T.reduce_sum(x_f, r_ki, dim=1, clear=hk == 0)
                     # r_s <- rows of S * dS' (rows d and d + 64 paired): <S, dS'> = sum r_s
                     for i, j in T.Parallel(BT, BV):
                         e_f[i, j] = (T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
                                      + T.cast(h_s[i + BT, j], "float32") * T.cast(ds_s[i + BT, j], "float32"))
                     T.reduce_sum(e_f, r_s, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[1, i] = r_s[i]
                     T.barrier_arrive(bar_ds_free)
                     # dP <- scale (dO V~^T * Gamma), c <= i < n
                     T.gemm(do_s[st, :, :], vn_s, e_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BT):
                         p_s[i, j] = T.if_then_else((j <= i) & (i < n),
                                                    scale * e_f[i, j] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0)), 0)
-                    # dq <- scale diag(exp g) dO S^T + dP K;  r_q <- rows of dq * Q
-                    T.gemm(do_s[st, :, :], h_s, x_f, transpose_B=True, clear_accum=True)
-                    for i, d in T.Parallel(BT, K):
-                        x_f[i, d] = x_f[i, d] * (scale * T.exp2(g_s[st, i]))
-                    T.gemm(p_s, k_s[st, :, :], x_f)
-                    for i, d in T.Parallel(BT, K):
-                        if i < n:
-                            dq_p[i_v, t0 + i, i_hv, d] = x_f[i, d]
-                    for i, d in T.Parallel(BT, K):
-                        x_f[i, d] = x_f[i, d] * q_s[st, i, d]
-                    T.reduce_sum(x_f, r_q, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[2, i] = r_q[i]
-                    # dk += dP^T Q;  r_kk <- rows of dk * K
-                    T.gemm(p_s, q_s[st, :, :], dk_f, transpose_A=True)
-                    for i, d in T.Parallel(BT, K):
-                        x_f[i, d] = dk_f[i, d] * k_s[st, i, d]
-                    T.reduce_sum(x_f, r_kk, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[3, i] = r_kk[i]
+                    for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
+                        # dq <- scale diag(exp g) dO S^T + dP K;  r_q <- rows of dq * Q
+                        T.gemm(do_s[st, :, :], h_s[hk:hk + BT, :], x_f, transpose_B=True, clear_accum=True)
+                        for i, d in T.Parallel(BT, BT):
+                            x_f[i, d] = x_f[i, d] * (scale * T.exp2(g_s[st, i]))
+                        T.gemm(p_s, k_s[st, :, hk:hk + BT], x_f)
+                        for i, d in T.Parallel(BT, BT):
+                            if i < n:
+                                dq_p[i_v, t0 + i, i_hv, hk + d] = x_f[i, d]
+                        for i, d in T.Parallel(BT, BT):
+                            x_f[i, d] = x_f[i, d] * q_s[st, i, hk + d]
+                        T.reduce_sum(x_f, r_q, dim=1, clear=hk == 0)
+                        # dk += dP^T Q;  r_kk <- rows of dk * K
+                        T.gemm(p_s, q_s[st, :, hk:hk + BT], dk_f, transpose_A=True)
+                        for i, d in T.Parallel(BT, BT):
+                            x_f[i, d] = dk_f[i, d] * k_s[st, i, hk + d]
+                        T.reduce_sum(x_f, r_kk, dim=1, clear=hk == 0)
                     # dg_cum's dqkwg terms q.dq - k.dk;  dg_C <- sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
                     for i in T.Parallel(BT):
-                        rows_s[8, i] = rows_s[2, i] - rows_s[3, i]
-                        rows_s[9, i] = rows_s[0, i] + T.exp2(g_s[st, BT - 1]) * rows_s[1, i]
+                        rows_s[0, i] = r_q[i] - r_kk[i]
+                        rows_s[1, i] = r_ki[i] + T.exp2(g_s[st, BT - 1]) * r_s[i]
                     dg_last[0] = 0
                     for i in T.serial(BT):
-                        dg_last[0] = dg_last[0] + rows_s[9, i]
+                        dg_last[0] = dg_last[0] + rows_s[1, i]
 
                     # ---- the chain's -dV~ of this chunk
                     T.barrier_wait(bar_dv_ready, it % 2)
                     # dW <- (-dV~) S^T, into W's slot (the chain read W before publishing -dV~)
-                    T.gemm(ndv_s, h_s, x_f, transpose_B=True, clear_accum=True)
-                    T.copy(x_f, w_s[st, :, :])
+                    for hk in (0, BT):
+                        T.gemm(ndv_s, h_s[hk:hk + BT, :], x_f, transpose_B=True, clear_accum=True)
+                        T.copy(x_f, w_s[st, :, hk:hk + BT])
                     # Y <- Ai^T dV~ = -(Ai^T (-dV~));  dv <- diag(beta) Y;  r_v <- rows of Y * V
                     T.gemm(ai_s, ndv_s, e_f, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):
@@ -265,8 +265,6 @@ def ws_reverse_kernel(H: int, HV: int):
                     for i, j in T.Parallel(BT, BV):
                         e_f[i, j] = e_f[i, j] * v_s[i, j]
                     T.reduce_sum(e_f, r_v, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[7, i] = r_v[i]
                     # -diag(exp g) K into Q's slot (Q read for the last time above)
                     for i, d in T.Parallel(BT, K):
                         q_s[st, i, d] = -k_s[st, i, d] * T.exp2(g_s[st, i])
@@ -293,8 +291,6 @@ def ws_reverse_kernel(H: int, HV: int):
                     for i, j in T.Parallel(BT, BT):
                         e_f[i, j] = e_f[i, j] * kk_f[i, j]
                     T.reduce_sum(e_f, r_e, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[4, i] = r_e[i]
                     # (diag(beta) E)^T[j, i] = beta_i dA~[i, j] (K K^T)[j, i]  (K K^T symmetric), with
                     # dA~^T = -(M^T Ai) * Gamma^T;  r_et <- its rows (the columns of diag(beta) E, no
                     # transpose through memory)
@@ -304,33 +300,29 @@ def ws_reverse_kernel(H: int, HV: int):
                                                    -e_f[j, i] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0))
                                                    * kk_f[j, i] * b_s[i], 0)
                     T.reduce_sum(e_f, r_et, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[5, i] = r_et[i]
-                    # X <- Ai^T dW;  r_k <- rows of X * K;  dk += diag(beta exp g) X
-                    T.gemm(ai_s, w_s[st, :, :], x_f, transpose_A=True, clear_accum=True)
-                    for i, d in T.Parallel(BT, K):
-                        dk_f[i, d] = dk_f[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[st, i]))
-                        x_f[i, d] = x_f[i, d] * k_s[st, i, d]
-                    T.reduce_sum(x_f, r_k, dim=1)
-                    for i in T.Parallel(BT):
-                        rows_s[6, i] = r_k[i]
-                    # dk += D K + D^T K
-                    T.gemm(p_s, k_s[st, :, :], dk_f)
-                    T.gemm(p_s, k_s[st, :, :], dk_f, transpose_A=True)
-                    for i, d in T.Parallel(BT, K):
-                        if i < n:
-                            dk_p[i_v, t0 + i, i_hv, d] = dk_f[i, d]
+                    for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
+                        # X <- Ai^T dW;  r_k <- rows of X * K;  dk += diag(beta exp g) X
+                        T.gemm(ai_s, w_s[st, :, hk:hk + BT], x_f, transpose_A=True, clear_accum=True)
+                        for i, d in T.Parallel(BT, BT):
+                            dk_f[i, d] = dk_f[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[st, i]))
+                            x_f[i, d] = x_f[i, d] * k_s[st, i, hk + d]
+                        T.reduce_sum(x_f, r_k, dim=1, clear=hk == 0)
+                        # dk += D K + D^T K
+                        T.gemm(p_s, k_s[st, :, hk:hk + BT], dk_f)
+                        T.gemm(p_s, k_s[st, :, hk:hk + BT], dk_f, transpose_A=True)
+                        for i, d in T.Parallel(BT, BT):
+                            if i < n:
+                                dk_p[i_v, t0 + i, i_hv, hk + d] = dk_f[i, d]
 
                     # dbeta <- exp(g) r_k + r_v + r_e;  dg_cum <- the dqkwg terms (+ dg_C at the last
                     # real row) + beta (exp(g) r_k + r_e) - r_et;  dg <- its reverse cumsum in the chunk
                     for i in T.Parallel(BT):
                         if i < n:
-                            dbeta_p[i_v, t0 + i, i_hv] = (T.exp2(g_s[st, i]) * rows_s[6, i] + rows_s[7, i]
-                                                          + rows_s[4, i])
+                            dbeta_p[i_v, t0 + i, i_hv] = T.exp2(g_s[st, i]) * r_k[i] + r_v[i] + r_e[i]
                         cum_s[i] = T.if_then_else(
                             i < n,
-                            rows_s[8, i] + T.if_then_else(i == n - 1, dg_last[0], 0)
-                            + b_s[i] * (T.exp2(g_s[st, i]) * rows_s[6, i] + rows_s[4, i]) - rows_s[5, i], 0)
+                            rows_s[0, i] + T.if_then_else(i == n - 1, dg_last[0], 0)
+                            + b_s[i] * (T.exp2(g_s[st, i]) * r_k[i] + r_e[i]) - r_et[i], 0)
                     T.cumsum(cum_s, dim=0, reverse=True)
                     for i in T.Parallel(BT):
                         if i < n:
@@ -342,6 +334,9 @@ def ws_reverse_kernel(H: int, HV: int):
 
             elif tx >= GRAD_END:  # ---- the producer warpgroup: full 64-row boxes (rows >= n masked by use)
                 T.set_max_nreg(REGS_PRODUCER, 0)
+                bos = bounds[i_n]
+                eos = bounds[i_n + 1]
+                num_c = T.ceildiv(eos - bos, BT)
                 for it in T.serial(num_c):
                     st = it % STAGES
                     t0 = bos + (num_c - 1 - it) * BT
