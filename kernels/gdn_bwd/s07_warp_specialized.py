@@ -31,14 +31,13 @@ DEFAULT_SHAPE = {"H": 16, "HV": 32}
 # ---- warp roles, in thread order (one if / elif chain: see gdn_fwd.s05)
 WARPGROUP = 128
 CHAIN_END = 1 * WARPGROUP   # [0, 128)   chain: dS' in fp32 registers, dV~ and the dS step
-GRAD_END = 3 * WARPGROUP    # [128, 384) gradients: dq, dk, dW, dv, dbeta, dg of the chunk behind
-THREADS = 4 * WARPGROUP     # [384, 512) producer: TMA of the rings, the gates and beta
-GRAD_THREADS = GRAD_END - CHAIN_END
-# ---- register budgets (setmaxnreg, per thread): 512 threads start with 128 each
-REGS_CHAIN = 136      # dS' (64 fp32 a thread), one 64 x 64 product (32)
-REGS_GRAD = 176       # dk (32), the 64 x K products (32), two or three 64 x 64 (16 each)
-REGS_PRODUCER = 24    # addresses
-assert REGS_CHAIN * WARPGROUP + REGS_GRAD * GRAD_THREADS + REGS_PRODUCER * WARPGROUP <= 65536
+THREADS = 3 * WARPGROUP     # [128, 384) gradients: dq, dk, dW, dv, dbeta, dg of the chunk behind,
+GRAD_THREADS = THREADS - CHAIN_END  # and the loads (TMA, the gates and beta)
+# ---- register budgets (setmaxnreg, per thread): 384 threads start with 168 each
+REGS_START = 65536 // THREADS // 8 * 8
+REGS_CHAIN = 136      # dS' (64 fp32 a thread), one 64 x 64 product (32): 131 used
+REGS_GRAD = 184       # dk (2 x 16), x, a 64 x 64 product, K K^T (16 each) and the addresses
+assert REGS_CHAIN * WARPGROUP + REGS_GRAD * GRAD_THREADS <= REGS_START * THREADS
 # ---- buffering
 STAGES = 2            # ring A (q, k, w, dO, g): read by the chain at chunk it, the gradients at it - 1
 
@@ -91,9 +90,11 @@ def ws_reverse_kernel(H: int, HV: int):
             num_c = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             n = T.alloc_var("int32")
+            t1 = T.alloc_var("int32")
+            n1 = T.alloc_var("int32")
 
             # ring A, STAGES slots (producer -> chain and gradients): the tiles both read
-            q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # Q; the gradients: then -diag(exp g) K
+            q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
             k_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
             w_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # W (chain); the gradients: then dW
             do_s = T.alloc_shared((STAGES, BT, BV), "bfloat16")
@@ -125,19 +126,18 @@ def ws_reverse_kernel(H: int, HV: int):
             x_f = T.alloc_fragment((BT, BT), "float32")            # a half of a 64 x K product
             e_f = T.alloc_fragment((BT, BT), "float32")            # the 64 x 64 products
             kk_f = T.alloc_fragment((BT, BT), "float32")           # K K^T (symmetric)
-            r_ki = T.alloc_fragment((BT,), "float32")
-            r_s = T.alloc_fragment((BT,), "float32")
-            r_q = T.alloc_fragment((BT,), "float32")
-            r_kk = T.alloc_fragment((BT,), "float32")
-            r_e = T.alloc_fragment((BT,), "float32")
+            r_last = T.alloc_fragment((BT,), "float32")           # row sums: of dg_C's terms,
+            r_dg = T.alloc_fragment((BT,), "float32")             # q.dq - k.dk,
+            r_u = T.alloc_fragment((BT,), "float32")              # exp(g) r_k + r_e, and r_v, r_et
+            r_v = T.alloc_fragment((BT,), "float32")              # (s04's names)
             r_et = T.alloc_fragment((BT,), "float32")
-            r_k = T.alloc_fragment((BT,), "float32")
-            r_v = T.alloc_fragment((BT,), "float32")
 
             # ---- mbarriers, named for what they guard; arrive counts: each arriving thread once
-            bar_a_loaded = T.alloc_barrier([WARPGROUP] * STAGES)           # ring A slot filled (+ TMA bytes)
-            bar_b_loaded = T.alloc_barrier([WARPGROUP])                    # ring B filled (+ TMA bytes)
-            bar_grad_done = T.alloc_barrier([GRAD_THREADS])                # gradients done with a chunk: ring B, its ring A slot
+            bar_a_loaded = T.alloc_barrier([GRAD_THREADS] * STAGES)        # ring A slot filled (+ TMA bytes)
+            bar_b1_loaded = T.alloc_barrier([GRAD_THREADS])                # V~, S filled (+ TMA bytes)
+            bar_b2_loaded = T.alloc_barrier([GRAD_THREADS])                # V, Ai, beta filled (+ TMA bytes)
+            bar_b1_read = T.alloc_barrier([GRAD_THREADS])                  # gradients done reading V~, S
+            bar_chunk_read = T.alloc_barrier([GRAD_THREADS])               # ... and V, Ai, beta, the ring A slot
             bar_ds_ready = T.alloc_barrier([WARPGROUP])                    # dS' snapshot published
             bar_ds_free = T.alloc_barrier([GRAD_THREADS])                  # gradients done reading it
             bar_dv_ready = T.alloc_barrier([WARPGROUP])                    # -dV~ published (W read)
@@ -145,7 +145,7 @@ def ws_reverse_kernel(H: int, HV: int):
 
             tx = T.get_thread_binding()
             if tx < CHAIN_END:  # ---- the chain warpgroup: the critical path, nothing else
-                T.set_max_nreg(REGS_CHAIN, 1)
+                T.set_max_nreg(REGS_CHAIN, 0)
                 bos = bounds[i_n]
                 eos = bounds[i_n + 1]
                 num_c = T.ceildiv(eos - bos, BT)
@@ -191,33 +191,61 @@ def ws_reverse_kernel(H: int, HV: int):
                 if store_dh0 != 0:
                     T.copy(s_f, dh0[i_n, i_hv, :, v0:v0 + BV])
 
-            elif tx >= CHAIN_END and tx < GRAD_END:  # ---- the gradient warpgroups, a chunk behind
+            else:  # ---- the gradient warpgroups, a chunk behind the chain; they load the tiles too
                 T.set_max_nreg(REGS_GRAD, 1)
                 bos = bounds[i_n]
                 eos = bounds[i_n + 1]
                 num_c = T.ceildiv(eos - bos, BT)
+                # chunk it's tiles (it = 0: the row's last chunk), full 64-row boxes: rows >= n hold
+                # other tokens and are masked where they are used.  Ring A (q, k, w, dO, g) for
+                # chunks 0 and 1 and ring B (V~, S; V, Ai, beta) for chunk 0 first; later ones where
+                # this role has read the slot's previous chunk, below
+                for c in T.serial(T.min(num_c, STAGES)):
+                    t1 = bos + (num_c - 1 - c) * BT
+                    n1 = T.min(eos - t1, BT)
+                    T.tma_copy(q[t1:t1 + BT, i_h, :], q_s[c, :, :], barrier=bar_a_loaded[c])
+                    T.tma_copy(k[t1:t1 + BT, i_h, :], k_s[c, :, :], barrier=bar_a_loaded[c])
+                    T.tma_copy(w[t1:t1 + BT, i_hv, :], w_s[c, :, :], barrier=bar_a_loaded[c])
+                    T.tma_copy(do[t1:t1 + BT, i_hv, v0:v0 + BV], do_s[c, :, :], barrier=bar_a_loaded[c])
+                    for i in T.Parallel(BT):  # log2(e) g, rows >= n: the last real row's
+                        g_s[c, i] = g_cum[t1 + T.min(i, n1 - 1), i_hv] * LOG2E
+                    T.barrier_arrive(bar_a_loaded[c])
+                if num_c > 0:
+                    t1 = bos + (num_c - 1) * BT
+                    n1 = T.min(eos - t1, BT)
+                    T.tma_copy(v_new[t1:t1 + BT, i_hv, v0:v0 + BV], vn_s, barrier=bar_b1_loaded)
+                    T.tma_copy(h[first_chunk[i_n] + num_c - 1, i_hv, :, v0:v0 + BV], h_s, barrier=bar_b1_loaded)
+                    T.barrier_arrive(bar_b1_loaded)
+                    T.tma_copy(v[t1:t1 + BT, i_hv, v0:v0 + BV], v_s, barrier=bar_b2_loaded)
+                    T.tma_copy(Ai[t1:t1 + BT, i_hv, :], ai_s, barrier=bar_b2_loaded)
+                    for i in T.Parallel(BT):  # beta, rows >= n: 0
+                        b_s[i] = T.if_then_else(i < n1, beta[t1 + T.min(i, n1 - 1), i_hv], 0)
+                    T.barrier_arrive(bar_b2_loaded)
                 for it in T.serial(num_c):
                     st = it % STAGES
                     t0 = bos + (num_c - 1 - it) * BT
                     n = T.min(eos - t0, BT)
+                    t1 = t0 - BT                                  # the next chunk back
                     T.barrier_wait(bar_a_loaded[st], (it // STAGES) % 2)
-                    T.barrier_wait(bar_b_loaded, it % 2)
+                    T.barrier_wait(bar_b1_loaded, it % 2)
                     T.barrier_wait(bar_ds_ready, it % 2)
                     # dk's K columns in two halves hk (every 64 x K product as two 64 x 64 ones: one
                     # fragment layout for all the role's tiles)
-                    # dk <- diag(exp(g_C - g)) V~ dS'^T (rows < n);  r_ki <- rows of dk * K
+                    # dk <- diag(exp(g_C - g)) V~ dS'^T (rows < n);  r_last <- rows of dk * K
                     for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
                         T.gemm(vn_s, ds_s[hk:hk + BT, :], dk_f, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(BT, BT):
                             dk_f[i, d] = T.if_then_else(i < n, dk_f[i, d] * T.exp2(g_s[st, BT - 1] - g_s[st, i]), 0)
                         for i, d in T.Parallel(BT, BT):
                             x_f[i, d] = dk_f[i, d] * k_s[st, i, hk + d]
-                        T.reduce_sum(x_f, r_ki, dim=1, clear=hk == 0)
-                    # r_s <- rows of S * dS' (rows d and d + 64 paired): <S, dS'> = sum r_s
+                        T.reduce_sum(x_f, r_last, dim=1, clear=hk == 0)
+                    # r_last += exp(g_C) rows of S * dS' (rows d and d + 64 paired): its sum is dg_C's
+                    # two terms, sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
                     for i, j in T.Parallel(BT, BV):
-                        e_f[i, j] = (T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
-                                     + T.cast(h_s[i + BT, j], "float32") * T.cast(ds_s[i + BT, j], "float32"))
-                    T.reduce_sum(e_f, r_s, dim=1)
+                        e_f[i, j] = T.exp2(g_s[st, BT - 1]) * (
+                            T.cast(h_s[i, j], "float32") * T.cast(ds_s[i, j], "float32")
+                            + T.cast(h_s[i + BT, j], "float32") * T.cast(ds_s[i + BT, j], "float32"))
+                    T.reduce_sum(e_f, r_last, dim=1, clear=False)
                     T.barrier_arrive(bar_ds_free)
                     # dP <- scale (dO V~^T * Gamma), c <= i < n
                     T.gemm(do_s[st, :, :], vn_s, e_f, transpose_B=True, clear_accum=True)
@@ -225,7 +253,7 @@ def ws_reverse_kernel(H: int, HV: int):
                         p_s[i, j] = T.if_then_else((j <= i) & (i < n),
                                                    scale * e_f[i, j] * T.exp2(T.min(g_s[st, i] - g_s[st, j], 0)), 0)
                     for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
-                        # dq <- scale diag(exp g) dO S^T + dP K;  r_q <- rows of dq * Q
+                        # dq <- scale diag(exp g) dO S^T + dP K;  r_dg <- rows of dq * Q
                         T.gemm(do_s[st, :, :], h_s[hk:hk + BT, :], x_f, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(BT, BT):
                             x_f[i, d] = x_f[i, d] * (scale * T.exp2(g_s[st, i]))
@@ -235,16 +263,15 @@ def ws_reverse_kernel(H: int, HV: int):
                                 dq_p[i_v, t0 + i, i_hv, hk + d] = x_f[i, d]
                         for i, d in T.Parallel(BT, BT):
                             x_f[i, d] = x_f[i, d] * q_s[st, i, hk + d]
-                        T.reduce_sum(x_f, r_q, dim=1, clear=hk == 0)
-                        # dk += dP^T Q;  r_kk <- rows of dk * K
+                        T.reduce_sum(x_f, r_dg, dim=1, clear=hk == 0)
+                        # dk += dP^T Q;  r_dg -= rows of dk * K: dg_cum's dqkwg terms q.dq - k.dk
                         T.gemm(p_s, q_s[st, :, hk:hk + BT], dk_f, transpose_A=True)
                         for i, d in T.Parallel(BT, BT):
-                            x_f[i, d] = dk_f[i, d] * k_s[st, i, hk + d]
-                        T.reduce_sum(x_f, r_kk, dim=1, clear=hk == 0)
-                    # dg_cum's dqkwg terms q.dq - k.dk;  dg_C <- sum_i k_i.dk_i (the V~ term) + exp(g_C) <S, dS'>
+                            x_f[i, d] = -dk_f[i, d] * k_s[st, i, hk + d]
+                        T.reduce_sum(x_f, r_dg, dim=1, clear=False)
                     for i in T.Parallel(BT):
-                        rows_s[0, i] = r_q[i] - r_kk[i]
-                        rows_s[1, i] = r_ki[i] + T.exp2(g_s[st, BT - 1]) * r_s[i]
+                        rows_s[0, i] = r_dg[i]
+                        rows_s[1, i] = r_last[i]
                     dg_last[0] = 0
                     for i in T.serial(BT):
                         dg_last[0] = dg_last[0] + rows_s[1, i]
@@ -255,7 +282,16 @@ def ws_reverse_kernel(H: int, HV: int):
                     for hk in (0, BT):
                         T.gemm(ndv_s, h_s[hk:hk + BT, :], x_f, transpose_B=True, clear_accum=True)
                         T.copy(x_f, w_s[st, :, hk:hk + BT])
+                    # V~ and S read: the next chunk's, once every thread of the role is here
+                    T.barrier_arrive(bar_b1_read)
+                    T.barrier_wait(bar_b1_read, it % 2)
+                    if it + 1 < num_c:
+                        T.tma_copy(v_new[t1:t1 + BT, i_hv, v0:v0 + BV], vn_s, barrier=bar_b1_loaded)
+                        T.tma_copy(h[first_chunk[i_n] + num_c - 2 - it, i_hv, :, v0:v0 + BV], h_s,
+                                   barrier=bar_b1_loaded)
+                        T.barrier_arrive(bar_b1_loaded)
                     # Y <- Ai^T dV~ = -(Ai^T (-dV~));  dv <- diag(beta) Y;  r_v <- rows of Y * V
+                    T.barrier_wait(bar_b2_loaded, it % 2)
                     T.gemm(ai_s, ndv_s, e_f, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):
                         e_f[i, j] = -e_f[i, j]
@@ -265,12 +301,11 @@ def ws_reverse_kernel(H: int, HV: int):
                     for i, j in T.Parallel(BT, BV):
                         e_f[i, j] = e_f[i, j] * v_s[i, j]
                     T.reduce_sum(e_f, r_v, dim=1)
-                    # -diag(exp g) K into Q's slot (Q read for the last time above)
-                    for i, d in T.Parallel(BT, K):
-                        q_s[st, i, d] = -k_s[st, i, d] * T.exp2(g_s[st, i])
                     # dAi <- (dW K^T) diag(beta exp g) + (dV~ V^T) diag(beta), strictly lower, rows < n:
-                    # the two products summed are -(dW (diag(exp g) K)^T + dV~ V^T), one accumulator
-                    T.gemm(w_s[st, :, :], q_s[st, :, :], e_f, transpose_B=True, clear_accum=True)
+                    # -(dW K^T) diag(exp g) + (-dV~) V^T in one accumulator, then times -beta_j
+                    T.gemm(w_s[st, :, :], k_s[st, :, :], e_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        e_f[i, j] = -e_f[i, j] * T.exp2(g_s[st, j])
                     T.gemm(ndv_s, v_s, e_f, transpose_B=True)
                     T.barrier_arrive(bar_dv_free)  # -dV~ read for the last time: the chain may write the next
                     for i, j in T.Parallel(BT, BT):
@@ -281,7 +316,7 @@ def ws_reverse_kernel(H: int, HV: int):
                     # K K^T (fp32: the factor of E, not rounded)
                     T.gemm(k_s[st, :, :], k_s[st, :, :], kk_f, transpose_B=True, clear_accum=True)
                     # dA~ <- -(Ai^T M) * Gamma, strictly lower, rows < n;  D <- diag(beta) dA~ (over dAi,
-                    # read);  E <- dA~ * K K^T;  r_e <- rows of E
+                    # read);  E <- dA~ * K K^T;  r_u <- rows of E (r_e)
                     T.gemm(ai_s, d_s, e_f, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BT):
                         e_f[i, j] = T.if_then_else((j < i) & (i < n),
@@ -290,7 +325,7 @@ def ws_reverse_kernel(H: int, HV: int):
                         p_s[i, j] = b_s[i] * e_f[i, j]
                     for i, j in T.Parallel(BT, BT):
                         e_f[i, j] = e_f[i, j] * kk_f[i, j]
-                    T.reduce_sum(e_f, r_e, dim=1)
+                    T.reduce_sum(e_f, r_u, dim=1)
                     # (diag(beta) E)^T[j, i] = beta_i dA~[i, j] (K K^T)[j, i]  (K K^T symmetric), with
                     # dA~^T = -(M^T Ai) * Gamma^T;  r_et <- its rows (the columns of diag(beta) E, no
                     # transpose through memory)
@@ -301,12 +336,12 @@ def ws_reverse_kernel(H: int, HV: int):
                                                    * kk_f[j, i] * b_s[i], 0)
                     T.reduce_sum(e_f, r_et, dim=1)
                     for dk_f, hk in ((dk0_f, 0), (dk1_f, BT)):
-                        # X <- Ai^T dW;  r_k <- rows of X * K;  dk += diag(beta exp g) X
+                        # X <- Ai^T dW;  r_u += exp(g) rows of X * K (exp(g) r_k);  dk += diag(beta exp g) X
                         T.gemm(ai_s, w_s[st, :, hk:hk + BT], x_f, transpose_A=True, clear_accum=True)
                         for i, d in T.Parallel(BT, BT):
                             dk_f[i, d] = dk_f[i, d] + x_f[i, d] * (b_s[i] * T.exp2(g_s[st, i]))
-                            x_f[i, d] = x_f[i, d] * k_s[st, i, hk + d]
-                        T.reduce_sum(x_f, r_k, dim=1, clear=hk == 0)
+                            x_f[i, d] = x_f[i, d] * k_s[st, i, hk + d] * T.exp2(g_s[st, i])
+                        T.reduce_sum(x_f, r_u, dim=1, clear=False)
                         # dk += D K + D^T K
                         T.gemm(p_s, k_s[st, :, hk:hk + BT], dk_f)
                         T.gemm(p_s, k_s[st, :, hk:hk + BT], dk_f, transpose_A=True)
@@ -314,53 +349,41 @@ def ws_reverse_kernel(H: int, HV: int):
                             if i < n:
                                 dk_p[i_v, t0 + i, i_hv, hk + d] = dk_f[i, d]
 
-                    # dbeta <- exp(g) r_k + r_v + r_e;  dg_cum <- the dqkwg terms (+ dg_C at the last
-                    # real row) + beta (exp(g) r_k + r_e) - r_et;  dg <- its reverse cumsum in the chunk
+                    # dbeta <- exp(g) r_k + r_e + r_v = r_u + r_v;  dg_cum <- the dqkwg terms (+ dg_C at
+                    # the last real row) + beta r_u - r_et;  dg <- its reverse cumsum in the chunk
                     for i in T.Parallel(BT):
                         if i < n:
-                            dbeta_p[i_v, t0 + i, i_hv] = T.exp2(g_s[st, i]) * r_k[i] + r_v[i] + r_e[i]
+                            dbeta_p[i_v, t0 + i, i_hv] = r_u[i] + r_v[i]
                         cum_s[i] = T.if_then_else(
                             i < n,
-                            rows_s[0, i] + T.if_then_else(i == n - 1, dg_last[0], 0)
-                            + b_s[i] * (T.exp2(g_s[st, i]) * r_k[i] + r_e[i]) - r_et[i], 0)
+                            rows_s[0, i] + T.if_then_else(i == n - 1, dg_last[0], 0) + b_s[i] * r_u[i] - r_et[i], 0)
                     T.cumsum(cum_s, dim=0, reverse=True)
                     for i in T.Parallel(BT):
                         if i < n:
                             dg_p[i_v, t0 + i, i_hv] = cum_s[i]
-                    # every read of the chunk's ring A slot and ring B is done (and dW, -diag(exp g) K
-                    # written into ring A by the generic proxy, before the producer's TMA overwrites them)
+                    # V, Ai, beta and the ring A slot read (dW written into the slot by the generic
+                    # proxy: fenced before TMA overwrites it): the next chunks' tiles, once
+                    # every thread of the role is here (the chain read the slot before -dV~ came)
                     T.fence_proxy_async()
-                    T.barrier_arrive(bar_grad_done)
-
-            elif tx >= GRAD_END:  # ---- the producer warpgroup: full 64-row boxes (rows >= n masked by use)
-                T.set_max_nreg(REGS_PRODUCER, 0)
-                bos = bounds[i_n]
-                eos = bounds[i_n + 1]
-                num_c = T.ceildiv(eos - bos, BT)
-                for it in T.serial(num_c):
-                    st = it % STAGES
-                    t0 = bos + (num_c - 1 - it) * BT
-                    n = T.min(eos - t0, BT)
-                    # ring A slot st: its last readers, the gradients at chunk it - 2 (after the chain,
-                    # whose -dV~ they waited for), arrived on bar_grad_done before ring B's load of
-                    # chunk it - 1 below, in this loop's previous iteration: no barrier of its own
-                    T.tma_copy(q[t0:t0 + BT, i_h, :], q_s[st, :, :], barrier=bar_a_loaded[st])
-                    T.tma_copy(k[t0:t0 + BT, i_h, :], k_s[st, :, :], barrier=bar_a_loaded[st])
-                    T.tma_copy(w[t0:t0 + BT, i_hv, :], w_s[st, :, :], barrier=bar_a_loaded[st])
-                    T.tma_copy(do[t0:t0 + BT, i_hv, v0:v0 + BV], do_s[st, :, :], barrier=bar_a_loaded[st])
-                    for i in T.Parallel(BT):
-                        g_s[st, i] = g_cum[t0 + T.min(i, n - 1), i_hv] * LOG2E
-                    T.barrier_arrive(bar_a_loaded[st])
-                    # ring B, once the gradients are done with chunk it - 1
-                    T.barrier_wait(bar_grad_done, it % 2 ^ 1)
-                    T.tma_copy(v_new[t0:t0 + BT, i_hv, v0:v0 + BV], vn_s, barrier=bar_b_loaded)
-                    T.tma_copy(v[t0:t0 + BT, i_hv, v0:v0 + BV], v_s, barrier=bar_b_loaded)
-                    T.tma_copy(Ai[t0:t0 + BT, i_hv, :], ai_s, barrier=bar_b_loaded)
-                    T.tma_copy(h[first_chunk[i_n] + num_c - 1 - it, i_hv, :, v0:v0 + BV], h_s,
-                               barrier=bar_b_loaded)
-                    for i in T.Parallel(BT):
-                        b_s[i] = T.if_then_else(i < n, beta[t0 + T.min(i, n - 1), i_hv], 0)
-                    T.barrier_arrive(bar_b_loaded)
+                    T.barrier_arrive(bar_chunk_read)
+                    T.barrier_wait(bar_chunk_read, it % 2)
+                    if it + 1 < num_c:
+                        n1 = T.min(eos - t1, BT)
+                        T.tma_copy(v[t1:t1 + BT, i_hv, v0:v0 + BV], v_s, barrier=bar_b2_loaded)
+                        T.tma_copy(Ai[t1:t1 + BT, i_hv, :], ai_s, barrier=bar_b2_loaded)
+                        for i in T.Parallel(BT):
+                            b_s[i] = T.if_then_else(i < n1, beta[t1 + T.min(i, n1 - 1), i_hv], 0)
+                        T.barrier_arrive(bar_b2_loaded)
+                    if it + STAGES < num_c:
+                        t1 = t0 - STAGES * BT
+                        n1 = T.min(eos - t1, BT)
+                        T.tma_copy(q[t1:t1 + BT, i_h, :], q_s[st, :, :], barrier=bar_a_loaded[st])
+                        T.tma_copy(k[t1:t1 + BT, i_h, :], k_s[st, :, :], barrier=bar_a_loaded[st])
+                        T.tma_copy(w[t1:t1 + BT, i_hv, :], w_s[st, :, :], barrier=bar_a_loaded[st])
+                        T.tma_copy(do[t1:t1 + BT, i_hv, v0:v0 + BV], do_s[st, :, :], barrier=bar_a_loaded[st])
+                        for i in T.Parallel(BT):
+                            g_s[st, i] = g_cum[t1 + T.min(i, n1 - 1), i_hv] * LOG2E
+                        T.barrier_arrive(bar_a_loaded[st])
 
     return gdn_bwd_ws_reverse
 
