@@ -156,59 +156,82 @@ class Barrier:
 
 
 def protocol(num_c, drop=None):
-    """The three roles of ``ws_reverse_kernel`` as op lists, in program order: ("wait", barrier,
-    parity), ("arrive", barrier, threads), ("write", buffer, chunk), ("read", buffer, chunk).
-    A role's threads move together (arrivals count its threads). ``drop``: a wait left out."""
-    chain, grads, prod = [], [], []
+    """The roles of ``ws_reverse_kernel`` as op lists in program order, the gradient role as its two
+    warpgroups g0 and g1 (g0 holds the thread that issues the loads): ("wait", barrier, parity),
+    ("arrive", barrier, threads), ("write", buffer, chunk), ("read", buffer, chunk), ("load", buffer,
+    (chunk, barrier)): a TMA load, which lands later and then counts as one more arrival on its
+    barrier (the transaction bytes; its arrive count has one more). Buffers: ring A
+    slots a0, a1, ring B halves b1 (V~, S) and b2 (V, Ai, beta), the hand-offs ds and dv.
+    ``drop``: (role, barrier), that role's waits on it left out."""
+    chain, grads = [], {"g0": [], "g1": []}
+    for g, ops in grads.items():
+        issue = g == "g0"
+        for c in range(min(num_c, 2)):
+            ops += ([("load", f"a{c}", (c, f"a_loaded{c}"))] if issue else []) + [("arrive", f"a_loaded{c}", 128)]
+        if num_c:
+            ops += ([("load", "b1", (0, "b1_loaded"))] if issue else []) + [("arrive", "b1_loaded", 128)]
+            ops += ([("load", "b2", (0, "b2_loaded"))] if issue else []) + [("arrive", "b2_loaded", 128)]
+        for it in range(num_c):
+            st = it % 2
+            ops += [("wait", f"a_loaded{st}", (it // 2) % 2), ("wait", "b1_loaded", it % 2),
+                    ("wait", "ds_ready", it % 2), ("read", "ds", it), ("read", "b1", it), ("read", f"a{st}", it),
+                    ("arrive", "ds_free", 128), ("read", f"a{st}", it), ("read", "b1", it),
+                    ("wait", "dv_ready", it % 2), ("read", "dv", it), ("read", "b1", it),
+                    ("arrive", "b1_read", 128), ("wait", "b1_read", it % 2)]
+            if it + 1 < num_c:
+                ops += ([("load", "b1", (it + 1, "b1_loaded"))] if issue else []) + [("arrive", "b1_loaded", 128)]
+            ops += [("wait", "b2_loaded", it % 2), ("read", "b2", it), ("read", "dv", it),
+                    ("arrive", "dv_free", 128), ("read", f"a{st}", it), ("read", "b2", it),
+                    ("arrive", "chunk_read", 128), ("wait", "chunk_read", it % 2)]
+            if it + 1 < num_c:
+                ops += ([("load", "b2", (it + 1, "b2_loaded"))] if issue else []) + [("arrive", "b2_loaded", 128)]
+            if it + 2 < num_c:
+                ops += ([("load", f"a{st}", (it + 2, f"a_loaded{st}"))] if issue else []) + [("arrive", f"a_loaded{st}", 128)]
     for it in range(num_c):
         st = it % 2
-        # the producer: ring A slot st (its readers at chunk it - 2 done: the grad_done wait of
-        # the previous iteration), then ring B
-        prod += [("write", f"a{st}", it), ("arrive", f"a_loaded{st}", 128),
-                 ("wait", "grad_done", it % 2 ^ 1), ("write", "b", it), ("arrive", "b_loaded", 128)]
-        # the chain
         chain += [("wait", f"a_loaded{st}", (it // 2) % 2), ("read", f"a{st}", it),
                   ("wait", "ds_free", it % 2 ^ 1), ("write", "ds", it), ("arrive", "ds_ready", 128),
-                  ("wait", "dv_free", it % 2 ^ 1), ("write", "dv", it), ("read", f"a{st}", it),
-                  ("arrive", "dv_ready", 128)]
-        # the gradients
-        grads += [("wait", f"a_loaded{st}", (it // 2) % 2), ("wait", "b_loaded", it % 2), ("wait", "ds_ready", it % 2),
-                  ("read", "ds", it), ("read", "b", it), ("read", f"a{st}", it), ("arrive", "ds_free", 256),
-                  ("wait", "dv_ready", it % 2), ("read", "dv", it), ("write", f"a{st}", it),
-                  ("arrive", "dv_free", 256), ("read", f"a{st}", it), ("read", "b", it),
-                  ("arrive", "grad_done", 256)]
-    roles = {"chain": chain, "grads": grads, "producer": prod}
+                  ("read", f"a{st}", it), ("wait", "dv_free", it % 2 ^ 1), ("write", "dv", it),
+                  ("read", f"a{st}", it), ("arrive", "dv_ready", 128)]
+    roles = {"chain": chain, **grads}
     if drop:
         role, name = drop
-        ops = roles[role]
-        roles[role] = [op for op in ops if not (op[0] == "wait" and op[1] == name)]
+        roles[role] = [op for op in roles[role] if not (op[0] == "wait" and op[1] == name)]
     return roles
 
 
-BARRIERS = {"a_loaded0": 128, "a_loaded1": 128, "b_loaded": 128, "grad_done": 256, "ds_ready": 128, "ds_free": 256, "dv_ready": 128, "dv_free": 256}
+BARRIERS = {"a_loaded0": 257, "a_loaded1": 257, "b1_loaded": 257, "b2_loaded": 257, "b1_read": 256,
+            "chunk_read": 256, "ds_ready": 128, "ds_free": 256, "dv_ready": 128, "dv_free": 256}
 
 
 def run_protocol(num_c, seed, drop=None):
     """Runs the roles under a random scheduler; returns None, or what went wrong: a deadlock, or a
-    read that found another chunk's data (a stale or overwritten slot)."""
+    read that found another chunk's data (a stale or overwritten buffer)."""
     roles = protocol(num_c, drop)
     bars = {name: Barrier(count) for name, count in BARRIERS.items()}
-    data, pc = {}, {r: 0 for r in roles}
+    data, pc, in_flight = {}, {r: 0 for r in roles}, []
     rng = random.Random(seed)
-    while any(pc[r] < len(ops) for r, ops in roles.items()):
+    land = rng.choice([0.01, 0.1, 0.5])  # how soon loads land, relative to the roles' steps
+    while any(pc[r] < len(ops) for r, ops in roles.items()) or in_flight:
         ready = [r for r, ops in roles.items() if pc[r] < len(ops)
                  and not (ops[pc[r]][0] == "wait" and not bars[ops[pc[r]][1]].passed(ops[pc[r]][2]))]
-        if not ready:
+        if not ready and not in_flight:
             return f"deadlock at {pc}"
+        if in_flight and (not ready or rng.random() < land):  # a load lands
+            name, (chunk, bar) = in_flight.pop(rng.randrange(len(in_flight)))
+            data[name] = chunk
+            bars[bar].arrive()
+            continue
         r = rng.choice(ready)
         op, name, arg = roles[r][pc[r]]
         pc[r] += 1
-        if op == "arrive":
+        if op == "load":
+            data[name] = "in flight"
+            in_flight.append((name, arg))
+        elif op == "arrive":
             for _ in range(arg):
                 bars[name].arrive()
         elif op == "write":
-            if name.startswith("a") and r == "grads":
-                continue  # dW and -diag(exp g) K into the slot the gradients own until grad_done
             data[name] = arg
         elif op == "read" and data.get(name) != arg:
             return f"{r} read {name} of chunk {data.get(name)} for chunk {arg}"
@@ -222,7 +245,8 @@ def test_barrier_protocol_runs_to_the_end_and_reads_the_right_chunks(num_c):
 
 
 @pytest.mark.parametrize("drop", [("chain", "dv_free"), ("chain", "ds_free"), ("chain", "a_loaded1"),
-                                  ("producer", "grad_done"), ("grads", "dv_ready"), ("grads", "b_loaded")])
+                                  ("g0", "b1_read"), ("g0", "chunk_read"), ("g1", "dv_ready"),
+                                  ("g1", "b2_loaded"), ("g1", "b1_loaded")])
 def test_barrier_protocol_check_fails_without_a_wait(drop):
     assert any(run_protocol(6, seed, drop) for seed in range(200))
 
