@@ -1,6 +1,105 @@
-"""gdn_bwd, stage 07: s04's fused reverse kernel warp-specialized: the dS chain runs ahead.
+"""gdn_bwd, stage 07: s04's fused reverse kernel warp-specialized: the dS chain runs a chunk ahead.
 
-DOCSTRING: written at the end (see the report).
+What changed from s04: s04's fused reverse kernel ran, per chunk, the sequential dS step and then
+all of the chunk's gradient products in the same two warpgroups, synchronously (loads, products,
+no overlap), so the next chunk's dS step waited for the whole gradient work of this one. Here the
+same kernel (same math, same grid: one CTA per (segment row, value head, 64 value columns)) has
+two warp roles: a chain warpgroup that does only the dS recurrence and hands its results over
+shared memory, and two gradient warpgroups that compute the chunk's gradients one chunk behind
+it, and issue the TMA loads of both rings. Everything else is s04's (prep, AutoCP plan, segment
+states and gradients, forward walk, finish), imported from it.
+Why: every fusion of the backward so far lost, because it put the gradient work on the chain's
+path. s04 ran 0.73x / 0.66x s03's time on (2, 8) 1x8192 / 1x32768 (gdn_train_s04.csv), and at
+c8873d0 (gdn_train_s05_s06.csv, one H100, CUDA graph replay, forward + backward) s05 and s06 ran
+12.13 and 12.90 ms on (16, 64) 1x32768 against s03's 10.85 (FLA 16.32, FlashQLA 7.43), 2.01 and
+2.15 ms on (2, 8) 1x32768 against 1.88 (FLA 3.83, FlashQLA 1.13). The lesson (BACKWARD.md 5,
+s06_warp_specialized / s07_chain_ahead): only dS' -> K dS' (+ P^T dO) -> W^T dV~ (+ Q^T dO') is
+sequential; the rest of a chunk's work can run beside the next chunk's chain.
+
+Kernels in launch order (C = 64, K = V = 128; all but the fourth are s04's):
+
+    prep             s02's: g_cum, Ai (FLA's gated T), w, u
+    segment states   s03's (where s03's rule splits): h_seg of every row
+    segment grads    s03's (where split): dht_seg of every row
+    forward walk     s04's: h[chunk] (bf16) and V~ = v_new, per (row, value head, 64 columns)
+    ws reverse       ``ws_reverse_kernel``, per (row, value head, 64 columns), chunks backwards:
+                     s04's formulas (its docstring), dq, dk, dbeta, dg as per-column-block parts
+    finish           s04's: the parts summed over the GVA group and the column blocks
+
+The ws reverse kernel, 384 threads (one CTA an SM: 225 KiB of shared memory):
+
+    role        threads     setmaxnreg  per chunk (chunk it = the row's it-th from the end)
+    chain       [0, 128)    136 (dec)   dS' (128 x 64 fp32, 64 registers a thread) all along;
+                                        snapshot dS' (bf16) -> ds_s; dO' = scale diag(exp g) dO,
+                                        P^T = scale (K Q^T * Gamma^T) (j <= i < n); X = K dS';
+                                        dS = exp(g_C) dS' + Q^T dO'; dV~ = diag(exp(g_C - g)) X
+                                        + P^T dO; -dV~ (rows < n) -> ndv_s; dS += W^T (-dV~)
+    gradients   [128, 384)  184 (inc)   chunk it - 1's (while the chain does chunk it): dk =
+                                        diag(exp(g_C - g)) V~ dS'^T, <S, dS'>, dP, dq, dP^T Q from
+                                        ds_s; then from ndv_s: dW (into W's slot), dv, dAi, M,
+                                        dA~, E, X = Ai^T dW, D K + D^T K, dbeta, dg (reverse cumsum
+                                        in the chunk); and the TMA loads of the rings
+
+    Products a chunk, in units of a 64^3 product (0.52 MFLOP): chain 9 (K Q^T, K dS', Q^T dO',
+    W^T dV~: 2 each, P^T dO: 1), 4.7 MFLOP; gradients 26, 13.6 MFLOP. The gradient role bounds a
+    CTA's chunk rate; the chain's 4.7 no longer adds to it (s04: 36 units, 18.9 MFLOP, in one
+    instruction stream; here one more, M^T Ai, and one fewer, s04's second X). At one CTA an SM
+    and a bf16 wgmma rate of 790 / 132 = 6.0 TFLOP/s an SM, 13.6 MFLOP is 2.3 us a chunk at best
+    (estimate). Every K-wide product of the gradient role runs as two 64 x 64 halves (dk in two
+    fragments): one fragment layout for all of the role's tiles. With 64 x 128 tiles ptxas wanted
+    about 227 registers a thread for the role (uncapped) and spilled 164 bytes at 176.
+
+Barriers (mbarriers, phase parity from the chunk index):
+
+    bar_a_loaded[2]   ring A slot (q, k, w, dO, log2(e) g) filled: TMA bytes + the gradient role
+    bar_b1_loaded     V~, S filled;  bar_b2_loaded  V, Ai, beta filled (same)
+    bar_b1_read       the gradient role's two warpgroups done reading V~ and S: the next chunk's
+                      load may start (halfway through the chunk, after dW)
+    bar_chunk_read    ... done with V, Ai, beta and the ring A slot (after a generic-proxy fence:
+                      dW was written into W's slot): the next loads of ring B and of the slot
+    bar_ds_ready / bar_ds_free   the dS' snapshot: chain -> gradients (after their dk and
+                      <S, dS'>) -> chain (the next chunk's snapshot)
+    bar_dv_ready / bar_dv_free   -dV~, published after the chain's last read of W: chain ->
+                      gradients (after dv and dAi) -> chain
+
+    The chain waits only for ring A and for the two free barriers of the hand-offs, which the
+    gradient role arrives on early in its chunk: it runs a chunk ahead of the gradients. No
+    producer warpgroup: each load can only start when the gradient role is done with the slot
+    (it is every slot's last reader), so the gradient role issues it itself at that point, and
+    the 128 threads a producer would hold go to its registers (184 instead of 176, where ptxas
+    spilled).
+
+Shared memory (bytes; swizzled tiles 1 KiB aligned; TileLang's planner off, as gdn_fwd.s05):
+
+    ai_s 8192 (ring B)   b_s 256 (ring B)   cum_s 256   d_s 8192 (M)   do_s 2 x 8192 (ring A)
+    dop_s 8192 (chain)   ds_s 16384 (snapshot)   g_s 2 x 256 (ring A)   h_s 16384 (ring B)
+    k_s 2 x 16384 (ring A)   ndv_s 8192   p_s 8192 (dP, dAi, D)   pt_s 8192 (chain)
+    q_s 2 x 16384 (ring A)   rows_s 512   v_s 8192 (ring B)   vn_s 8192 (ring B)
+    w_s 2 x 16384 (ring A: W, then dW)   12 x 1024 reduction workspaces (the row sums cross
+    the two gradient warpgroups)   = 228,352 dynamic + 2,048 static (225 KiB of 227).
+
+Rows past a chunk's end: the TMA boxes are whole 64-row boxes, so in the row's last chunk rows
+>= n hold the next tokens (or zeros past the tensor). Every product whose rows mix into real
+outputs masks them: dO' and -dV~ rows, the masks of P^T, dP, dAi, dA~ (all i < n), dk's V~ term;
+the rest multiplies them by zeros or is not stored. tests/test_ws_reverse.py replays the kernel's
+arithmetic in float64 with random rows there.
+
+Precision against s04: the same bf16 operands except two fp32 improvements: the columns of
+diag(beta) E (s04: through a transposed fp32 shared tile) are the rows of the transposed product
+-(M^T Ai) * Gamma^T times K K^T (symmetric) and beta, all fp32 factors; dAi's diag(exp g) scales
+dW K^T in fp32 (s04 rounded -diag(exp g) K to bf16).
+
+Registers (ptxas for sm_90a, nvcc 13.0, TileLang's flags; the same at every public head layout):
+REGISTERS_TABLE
+
+Measured effect: not yet measured. GPU commands (next session): ``python -m pytest -q
+-p no:cacheprovider -m gpu tests/test_ws_reverse.py tests/test_stages.py -k "gdn_bwd and s07"``,
+then ``python -m flashqla bench --mode gdn_train --csv profiles/results/gdn_train_s07.csv
+--problems "(2, 8) 1x32768" "(16, 64) 1x32768" "(16, 64) 4096+4096+4096+4096+4096+4096+4096+4096"
+--rows "fwd + gdn_bwd/s03_autocp_walks" "fwd + gdn_bwd/s04_fused_reverse"
+"fwd + gdn_bwd/s07_warp_specialized"``.
+
+Taught in: not taught (lab log).
 """
 
 import functools
@@ -14,10 +113,11 @@ from flashqla.stages import load
 from flashqla.varlen import chunk_table, seq_bounds
 
 NEEDS = ("hopper",)
-# gdn_bwd_ws_reverse: the new kernel; warpgroup_reg_alloc / _dealloc: its setmaxnreg budgets;
-# tma_load: the producer's ring; mbarrier_wait_parity: the roles' hand-offs
+# gdn_bwd_ws_reverse: the new kernel; warpgroup_reg_alloc / _dealloc: the roles' setmaxnreg
+# budgets; tma_load, expect_transaction: the tile rings by TMA on mbarriers; bar_ds_ready,
+# bar_dv_ready: the chain's hand-offs to the gradient role
 SOURCE_MUST_CONTAIN = ("gdn_bwd_ws_reverse", "warpgroup_reg_alloc", "warpgroup_reg_dealloc",
-                       "tma_load", "mbarrier_wait_parity")
+                       "tma_load", "expect_transaction", "bar_ds_ready", "bar_dv_ready")
 
 S04 = load("gdn_bwd", 4)         # prep, plan, segment states and gradients, forward walk, finish
 S02, S03 = S04.S02, S04.S03
@@ -43,8 +143,8 @@ STAGES = 2            # ring A (q, k, w, dO, g): read by the chain at chunk it, 
 
 
 def ws_reverse_kernel(H: int, HV: int):
-    """Per (row, value head, BV value columns): s04's fused reverse, its chunks backwards, with the
-    dS chain, the gradients and the loads in three warp roles (the module doc)."""
+    """Per (row, value head, BV value columns): s04's fused reverse, its chunks backwards, the dS
+    chain in one warpgroup and the gradients (and the loads) in two (the module doc)."""
     import tilelang.language as T  # imported here: loading a stage must not pull in TileLang
 
     BT, K, V = CHUNK_SIZE, HEAD_DIM, HEAD_DIM
@@ -93,13 +193,14 @@ def ws_reverse_kernel(H: int, HV: int):
             t1 = T.alloc_var("int32")
             n1 = T.alloc_var("int32")
 
-            # ring A, STAGES slots (producer -> chain and gradients): the tiles both read
+            # ring A, STAGES slots (TMA -> chain and gradients): the tiles both read
             q_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
             k_s = T.alloc_shared((STAGES, BT, K), "bfloat16")
             w_s = T.alloc_shared((STAGES, BT, K), "bfloat16")      # W (chain); the gradients: then dW
             do_s = T.alloc_shared((STAGES, BT, BV), "bfloat16")
             g_s = T.alloc_shared((STAGES, BT), "float32")          # log2(e) g_cum, rows >= n: the last real
-            # ring B, one slot (producer -> gradients): the tiles only the gradients read
+            # ring B, one slot (TMA -> gradients): the tiles only the gradients read; b1 = V~, S,
+            # b2 = V, Ai, beta (b1 is free, and reloaded, halfway through a chunk)
             vn_s = T.alloc_shared((BT, BV), "bfloat16")            # V~
             v_s = T.alloc_shared((BT, BV), "bfloat16")             # V
             ai_s = T.alloc_shared((BT, BT), "bfloat16")
