@@ -157,7 +157,8 @@ class Barrier:
 
 def protocol(num_c, drop=None):
     """The roles of ``ws_reverse_kernel`` as op lists in program order, the gradient role as its two
-    warpgroups g0 and g1 (g0 holds the thread that issues the loads): ("wait", barrier, parity),
+    warpgroups g0 and g1 (one of them holds the thread that issues the loads; the model puts it in
+    g0, the check is symmetric): ("wait", barrier, parity),
     ("arrive", barrier, threads), ("write", buffer, chunk), ("read", buffer, chunk), ("load", buffer,
     (chunk, barrier)): a TMA load, which lands later and then counts as one more arrival on its
     barrier (the transaction bytes; its arrive count has one more). Buffers: ring A

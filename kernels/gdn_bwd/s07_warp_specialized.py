@@ -216,7 +216,7 @@ def ws_reverse_kernel(H: int, HV: int):
             p_s = T.alloc_shared((BT, BT), "bfloat16")             # dP, then dAi, then D = diag(beta) dA~
             d_s = T.alloc_shared((BT, BT), "bfloat16")             # M = dAi Ai^T
             rows_s = T.alloc_shared((2, BT), "float32")            # dg_cum's dqkwg terms, dg_C's terms
-            cum_s = T.alloc_shared((BT,), "float32")               # dg_cum, then its reverse cumsum
+            cum_s = T.alloc_shared((BT,), "float32")               # dg_cum
             dg_last = T.alloc_local((1,), "float32")
             # chain registers
             s_f = T.alloc_fragment((K, BV), "float32")             # dS', fp32, all along
@@ -232,6 +232,7 @@ def ws_reverse_kernel(H: int, HV: int):
             r_u = T.alloc_fragment((BT,), "float32")              # exp(g) r_k + r_e, and r_v, r_et
             r_v = T.alloc_fragment((BT,), "float32")              # (s04's names)
             r_et = T.alloc_fragment((BT,), "float32")
+            dgr_f = T.alloc_fragment((BT,), "float32")            # dg: dg_cum reverse-cumsummed in the chunk
 
             # ---- mbarriers, named for what they guard; arrive counts: each arriving thread once
             bar_a_loaded = T.alloc_barrier([GRAD_THREADS] * STAGES)        # ring A slot filled (+ TMA bytes)
@@ -458,10 +459,15 @@ def ws_reverse_kernel(H: int, HV: int):
                         cum_s[i] = T.if_then_else(
                             i < n,
                             rows_s[0, i] + T.if_then_else(i == n - 1, dg_last[0], 0) + b_s[i] * r_u[i] - r_et[i], 0)
-                    T.cumsum(cum_s, dim=0, reverse=True)
+                    # (not T.cumsum: its template scans with threads 0..31 of the block, the chain's here)
+                    for i in T.Parallel(BT):
+                        dgr_f[i] = 0
+                    for j in T.serial(BT):
+                        for i in T.Parallel(BT):
+                            dgr_f[i] = dgr_f[i] + T.if_then_else(i <= j, cum_s[j], 0)
                     for i in T.Parallel(BT):
                         if i < n:
-                            dg_p[i_v, t0 + i, i_hv] = cum_s[i]
+                            dg_p[i_v, t0 + i, i_hv] = dgr_f[i]
                     # V, Ai, beta and the ring A slot read (dW written into the slot by the generic
                     # proxy: fenced before TMA overwrites it): the next chunks' tiles, once
                     # every thread of the role is here (the chain read the slot before -dV~ came)
