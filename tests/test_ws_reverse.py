@@ -187,7 +187,8 @@ def protocol(num_c, drop=None):
             if it + 1 < num_c:
                 ops += ([("load", "b2", (it + 1, "b2_loaded"))] if issue else []) + [("arrive", "b2_loaded", 128)]
             if it + 2 < num_c:
-                ops += ([("load", f"a{st}", (it + 2, f"a_loaded{st}"))] if issue else []) + [("arrive", f"a_loaded{st}", 128)]
+                ops += (([("load", f"a{st}", (it + 2, f"a_loaded{st}"))] if issue else [])
+                        + [("arrive", f"a_loaded{st}", 128)])
     for it in range(num_c):
         st = it % 2
         chain += [("wait", f"a_loaded{st}", (it // 2) % 2), ("read", f"a{st}", it),

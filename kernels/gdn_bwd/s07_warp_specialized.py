@@ -47,7 +47,8 @@ The ws reverse kernel, 384 threads (one CTA an SM: 225 KiB of shared memory):
     and a bf16 wgmma rate of 790 / 132 = 6.0 TFLOP/s an SM, 13.6 MFLOP is 2.3 us a chunk at best
     (estimate). Every K-wide product of the gradient role runs as two 64 x 64 halves (dk in two
     fragments): one fragment layout for all of the role's tiles. With 64 x 128 tiles ptxas wanted
-    about 227 registers a thread for the role (uncapped) and spilled 164 bytes at 176.
+    about 227 registers a thread for the role (uncapped) and spilled 164 bytes at 176; with the
+    halves, 24 bytes at 176 and 16 at 184 (below).
 
 Barriers (mbarriers, phase parity from the chunk index):
 
@@ -65,9 +66,10 @@ Barriers (mbarriers, phase parity from the chunk index):
     The chain waits only for ring A and for the two free barriers of the hand-offs, which the
     gradient role arrives on early in its chunk: it runs a chunk ahead of the gradients. No
     producer warpgroup: each load can only start when the gradient role is done with the slot
-    (it is every slot's last reader), so the gradient role issues it itself at that point, and
-    the 128 threads a producer would hold go to its registers (184 instead of 176, where ptxas
-    spilled).
+    (it is every slot's last reader), so the gradient role issues it itself at that point (one
+    elected thread), and the 128 threads a producer would hold give its registers 184 instead of
+    176. Ring B has one slot (a second needs 40 KiB): its V~ and S come back halfway through a
+    chunk, its V, Ai and beta only at the chunk's end, a load latency on the gradient role's path.
 
 Shared memory (bytes; swizzled tiles 1 KiB aligned; TileLang's planner off, as gdn_fwd.s05):
 
@@ -84,17 +86,26 @@ outputs masks them: dO' and -dV~ rows, the masks of P^T, dP, dAi, dA~ (all i < n
 the rest multiplies them by zeros or is not stored. tests/test_ws_reverse.py replays the kernel's
 arithmetic in float64 with random rows there.
 
+TileLang templates that index threads from 0 cannot run in a role that does not start at thread
+0: T.cumsum's scan returns for every thread >= 32 (the chain's here), so dg's reverse cumsum in
+the chunk is a 64-step loop of the gradient role's own; its row sums (T.reduce_sum) and wgmma
+tiles take the role's thread offset (read in the generated CUDA).
+
 Precision against s04: the same bf16 operands except two fp32 improvements: the columns of
 diag(beta) E (s04: through a transposed fp32 shared tile) are the rows of the transposed product
 -(M^T Ai) * Gamma^T times K K^T (symmetric) and beta, all fp32 factors; dAi's diag(exp g) scales
 dW K^T in fp32 (s04 rounded -diag(exp g) K to bf16).
 
-Registers (ptxas for sm_90a, nvcc 13.0, TileLang's flags; the same at every public head layout):
-REGISTERS_TABLE
+Registers (ptxas for sm_90a, nvcc 13.0, TileLang's flags, ``cuobjdump -res-usage`` and the SASS's
+highest register per role; the same at each of the 8 public head layouts): 168 a thread at
+launch; the chain uses 128 of its 136, no local memory; the gradient role 182 of its 184 and 16
+bytes of stack: three loop-invariant addresses, stored once before the chunk loop and reloaded
+by 4 LDL a thread a chunk (the only spill).
 
 Measured effect: not yet measured. GPU commands (next session): ``python -m pytest -q
--p no:cacheprovider -m gpu tests/test_ws_reverse.py tests/test_stages.py -k "gdn_bwd and s07"``,
-then ``python -m flashqla bench --mode gdn_train --csv profiles/results/gdn_train_s07.csv
+-p no:cacheprovider -m gpu tests/test_ws_reverse.py``, ``python -m pytest -q -p no:cacheprovider
+-m gpu tests/test_stages.py -k "gdn_bwd and s07"``, then ``python -m flashqla bench --mode
+gdn_train --csv profiles/results/gdn_train_s07.csv
 --problems "(2, 8) 1x32768" "(16, 64) 1x32768" "(16, 64) 4096+4096+4096+4096+4096+4096+4096+4096"
 --rows "fwd + gdn_bwd/s03_autocp_walks" "fwd + gdn_bwd/s04_fused_reverse"
 "fwd + gdn_bwd/s07_warp_specialized"``.
@@ -135,8 +146,9 @@ THREADS = 3 * WARPGROUP     # [128, 384) gradients: dq, dk, dW, dv, dbeta, dg of
 GRAD_THREADS = THREADS - CHAIN_END  # and the loads (TMA, the gates and beta)
 # ---- register budgets (setmaxnreg, per thread): 384 threads start with 168 each
 REGS_START = 65536 // THREADS // 8 * 8
-REGS_CHAIN = 136      # dS' (64 fp32 a thread), one 64 x 64 product (32): 131 used
-REGS_GRAD = 184       # dk (2 x 16), x, a 64 x 64 product, K K^T (16 each) and the addresses
+REGS_CHAIN = 136      # dS' (64 fp32 a thread), one 64 x 64 product (32): 128 used
+REGS_GRAD = 184       # dk (2 x 16), x, a 64 x 64 product, K K^T (16 each) and the addresses: 182
+#                       used, 16 bytes spilled (loop-invariant addresses)
 assert REGS_CHAIN * WARPGROUP + REGS_GRAD * GRAD_THREADS <= REGS_START * THREADS
 # ---- buffering
 STAGES = 2            # ring A (q, k, w, dO, g): read by the chain at chunk it, the gradients at it - 1
