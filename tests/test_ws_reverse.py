@@ -24,7 +24,7 @@ import torch
 from flashqla import autocp
 from flashqla import reference as ref
 from flashqla.stages import load
-from flashqla.testing import Problem, cast_floats, check_op, op_inputs, rel_l2, run_on_threads
+from flashqla.testing import PUBLIC_HEADS, Problem, cast_floats, check_op, op_inputs, rel_l2, run_on_threads
 from test_bwd_autocp import GPU_PROBLEMS, check_graph_replay, check_segmented_stage_contract, gpu_inputs
 
 S07 = load("gdn_bwd", 7)
@@ -262,7 +262,6 @@ def test_stage_contract():
 @pytest.fixture(scope="module")
 def compiled():
     """The stage's kernels, split and not, for every public head layout, compiled on threads first."""
-    from flashqla.testing import PUBLIC_HEADS
     run_on_threads([functools.partial(S07.run, **gpu_inputs(Problem(H, HV, (700, 70))), cp=cp)
                     for H, HV in PUBLIC_HEADS for cp in (2, False)])
 
