@@ -6,10 +6,12 @@ then the gradients from the chain's -dV~ and dS' snapshot; the columns of diag(b
 of the transposed product M^T Ai with K K^T symmetric), with the rows past a partial chunk's end
 holding the next tokens' values (what a full 64-row TMA box reads) instead of zeros, against
 ``chunk_gated_delta_rule_bwd_ref`` at 1e-12; it fails when dO's row mask in the chain is dropped.
-A model of the kernel's mbarrier protocol (each role's waits and arrivals in its program order,
-phase parities as the kernel computes them) runs every interleaving a random scheduler picks to
-its end, and every read sees the chunk it expects; it deadlocks or reads a stale slot with one wait
-removed. The stage's contract and errors.
+A model of the kernel's mbarrier protocol (each role's waits, arrivals, reads, writes and TMA
+loads in program order, the gradient role as its two warpgroups, loads landing at random later
+times, phase parities as the kernel computes them) runs the interleavings a random scheduler picks
+to their end, and every read sees the chunk it expects; with any one wait removed it deadlocks or
+reads a stale or in-flight buffer. The stage's contract and errors. With --all-stages (it
+compiles): the kernel uses no TileLang template that scans with the block's first threads.
 GPU (gpu, hopper): the stage against float64 (``check_op``) on the public shape set split at a
 forced segment length and unsplit; without h0 or dht; with beta = 0 tokens; bitwise equal from
 run to run; a CUDA-graph replay equals the eager call.
@@ -255,6 +257,16 @@ def test_barrier_protocol_check_fails_without_a_wait(drop):
 
 def test_stage_contract():
     check_segmented_stage_contract(S07)
+
+
+def test_no_scan_on_the_blocks_first_threads(pytestconfig):
+    """T.cumsum's template (CumSum1D) scans with threads 0..31 of the block and returns on every
+    other: in this kernel those are the chain's, so the gradient role must not use it. The same
+    check finds it in s04's kernel, whose two math warpgroups start at thread 0."""
+    if not pytestconfig.getoption("--all-stages"):
+        pytest.skip("compiles two kernels: runs with --all-stages")
+    assert "CumSum" not in S07.kernel_source()
+    assert "CumSum" in S07.S04._fused(**S07.DEFAULT_SHAPE).get_kernel_source()
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
