@@ -8,9 +8,10 @@ holding the next tokens' values (what a full 64-row TMA box reads) instead of ze
 ``chunk_gated_delta_rule_bwd_ref`` at 1e-12; it fails when dO's row mask in the chain is dropped.
 A model of the kernel's mbarrier protocol (each role's waits, arrivals, reads, writes and TMA
 loads in program order, the gradient role as its two warpgroups, loads landing at random later
-times, phase parities as the kernel computes them) runs the interleavings a random scheduler picks
-to their end, and every read sees the chunk it expects; with any one wait removed it deadlocks or
-reads a stale or in-flight buffer. The stage's contract and errors. With --all-stages (it
+times, phase parities as the kernel computes them, dW written over W's tile) runs the interleavings
+a random scheduler picks to their end, and every read sees the chunk it expects; with any one wait
+removed, or -dV~ published before the chain's last read of W, it deadlocks or reads a stale,
+overwritten or in-flight buffer. The stage's contract and errors. With --all-stages (it
 compiles): the kernel uses no TileLang template that scans with the block's first threads.
 GPU (gpu, hopper): the stage against float64 (``check_op``) on the public shape set split at a
 forced segment length and unsplit; without h0 or dht; with beta = 0 tokens; bitwise equal from
@@ -164,7 +165,8 @@ def protocol(num_c, drop=None):
     ("arrive", barrier, threads), ("write", buffer, chunk), ("read", buffer, chunk), ("load", buffer,
     (chunk, barrier)): a TMA load, which lands later and then counts as one more arrival on its
     barrier (the transaction bytes; its arrive count has one more). Buffers: ring A
-    slots a0, a1, ring B halves b1 (V~, S) and b2 (V, Ai, beta), the hand-offs ds and dv.
+    slots a0, a1 (their W tiles w0, w1 apart: the gradients write dW over W, ("dW", chunk)),
+    ring B halves b1 (V~, S) and b2 (V, Ai, beta), the hand-offs ds and dv.
     ``drop``: (role, barrier), that role's waits on it left out."""
     chain, grads = [], {"g0": [], "g1": []}
     for g, ops in grads.items():
@@ -180,11 +182,12 @@ def protocol(num_c, drop=None):
                     ("wait", "ds_ready", it % 2), ("read", "ds", it), ("read", "b1", it), ("read", f"a{st}", it),
                     ("arrive", "ds_free", 128), ("read", f"a{st}", it), ("read", "b1", it),
                     ("wait", "dv_ready", it % 2), ("read", "dv", it), ("read", "b1", it),
-                    ("arrive", "b1_read", 128), ("wait", "b1_read", it % 2)]
+                    ("write", f"w{st}", ("dW", it)), ("arrive", "b1_read", 128), ("wait", "b1_read", it % 2)]
             if it + 1 < num_c:
                 ops += ([("load", "b1", (it + 1, "b1_loaded"))] if issue else []) + [("arrive", "b1_loaded", 128)]
             ops += [("wait", "b2_loaded", it % 2), ("read", "b2", it), ("read", "dv", it),
-                    ("arrive", "dv_free", 128), ("read", f"a{st}", it), ("read", "b2", it),
+                    ("arrive", "dv_free", 128), ("read", f"a{st}", it), ("read", f"w{st}", ("dW", it)),
+                    ("read", "b2", it),
                     ("arrive", "chunk_read", 128), ("wait", "chunk_read", it % 2)]
             if it + 1 < num_c:
                 ops += ([("load", "b2", (it + 1, "b2_loaded"))] if issue else []) + [("arrive", "b2_loaded", 128)]
@@ -196,7 +199,7 @@ def protocol(num_c, drop=None):
         chain += [("wait", f"a_loaded{st}", (it // 2) % 2), ("read", f"a{st}", it),
                   ("wait", "ds_free", it % 2 ^ 1), ("write", "ds", it), ("arrive", "ds_ready", 128),
                   ("read", f"a{st}", it), ("wait", "dv_free", it % 2 ^ 1), ("write", "dv", it),
-                  ("read", f"a{st}", it), ("arrive", "dv_ready", 128)]
+                  ("read", f"a{st}", it), ("read", f"w{st}", it), ("arrive", "dv_ready", 128)]
     roles = {"chain": chain, **grads}
     if drop:
         role, name = drop
@@ -208,10 +211,10 @@ BARRIERS = {"a_loaded0": 257, "a_loaded1": 257, "b1_loaded": 257, "b2_loaded": 2
             "chunk_read": 256, "ds_ready": 128, "ds_free": 256, "dv_ready": 128, "dv_free": 256}
 
 
-def run_protocol(num_c, seed, drop=None):
-    """Runs the roles under a random scheduler; returns None, or what went wrong: a deadlock, or a
-    read that found another chunk's data (a stale or overwritten buffer)."""
-    roles = protocol(num_c, drop)
+def run_protocol(num_c, seed, drop=None, roles=None):
+    """Runs the roles (``protocol``'s, or ``roles``) under a random scheduler; returns None, or what
+    went wrong: a deadlock, or a read that found another chunk's data (a stale or overwritten buffer)."""
+    roles = roles or protocol(num_c, drop)
     bars = {name: Barrier(count) for name, count in BARRIERS.items()}
     data, pc, in_flight = {}, {r: 0 for r in roles}, []
     rng = random.Random(seed)
@@ -224,6 +227,8 @@ def run_protocol(num_c, seed, drop=None):
         if in_flight and (not ready or rng.random() < land):  # a load lands
             name, (chunk, bar) = in_flight.pop(rng.randrange(len(in_flight)))
             data[name] = chunk
+            if name[0] == "a":  # a ring A slot's load brings its W tile too
+                data["w" + name[1:]] = chunk
             bars[bar].arrive()
             continue
         r = rng.choice(ready)
@@ -231,6 +236,8 @@ def run_protocol(num_c, seed, drop=None):
         pc[r] += 1
         if op == "load":
             data[name] = "in flight"
+            if name[0] == "a":
+                data["w" + name[1:]] = "in flight"
             in_flight.append((name, arg))
         elif op == "arrive":
             for _ in range(arg):
@@ -249,10 +256,21 @@ def test_barrier_protocol_runs_to_the_end_and_reads_the_right_chunks(num_c):
 
 
 @pytest.mark.parametrize("drop", [("chain", "dv_free"), ("chain", "ds_free"), ("chain", "a_loaded1"),
-                                  ("g0", "b1_read"), ("g0", "chunk_read"), ("g1", "dv_ready"),
+                                  ("g0", "b1_read"), ("g0", "chunk_read"), ("g0", "dv_ready"), ("g1", "dv_ready"),
                                   ("g1", "b2_loaded"), ("g1", "b1_loaded")])
 def test_barrier_protocol_check_fails_without_a_wait(drop):
     assert any(run_protocol(6, seed, drop) for seed in range(200))
+
+
+def test_barrier_protocol_check_fails_when_dv_is_published_before_the_last_read_of_w():
+    """dW is written over W's slot: the chain must publish -dV~ only after its W^T (-dV~)."""
+    def early(num_c):
+        roles = protocol(num_c)
+        chain = roles["chain"]
+        for i in [i for i, op in enumerate(chain) if op[0] == "read" and op[1][0] == "w"]:
+            chain[i], chain[i + 1] = chain[i + 1], chain[i]  # arrive dv_ready, then read W
+        return roles
+    assert any(run_protocol(6, seed, roles=early(6)) for seed in range(200))
 
 
 def test_stage_contract():
